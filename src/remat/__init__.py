@@ -1,0 +1,42 @@
+"""remat: activation checkpointing (rematerialization) for PyTorch.
+
+Example:
+    >>> import torch, remat
+    >>> block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+    >>> x = torch.randn(2, 8, requires_grad=True)
+    >>> remat.checkpoint(block, x).sum().backward()
+"""
+
+from ._checkpoint import checkpoint, noop_context_fn
+from ._config import (
+    disable_checkpointing,
+    is_checkpointing,
+    is_recomputing,
+    set_checkpoint_debug_enabled,
+    set_checkpoint_early_stop,
+)
+from ._errors import CheckpointError, PlanError, RematError
+from ._reentrant import check_backward_validity, detach_variable
+from ._sequential import checkpoint_sequential
+from ._state import DefaultDeviceType, get_device_states, set_device_states
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "CheckpointError",
+    "DefaultDeviceType",
+    "PlanError",
+    "RematError",
+    "check_backward_validity",
+    "checkpoint",
+    "checkpoint_sequential",
+    "detach_variable",
+    "disable_checkpointing",
+    "get_device_states",
+    "is_checkpointing",
+    "is_recomputing",
+    "noop_context_fn",
+    "set_checkpoint_debug_enabled",
+    "set_checkpoint_early_stop",
+    "set_device_states",
+]

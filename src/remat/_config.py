@@ -1,0 +1,129 @@
+"""Thread- and task-local settings and flags, all on :mod:`contextvars`.
+
+Nothing here is process-global: every setting is a ``ContextVar`` that a
+context manager sets and restores on exit (exceptions included), so two
+threads or asyncio tasks that checkpoint at once never see each other's flags.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+
+_early_stop: ContextVar[bool | None] = ContextVar("remat_early_stop", default=None)
+_debug: ContextVar[bool | None] = ContextVar("remat_debug", default=None)
+_disabled: ContextVar[bool] = ContextVar("remat_disabled", default=False)
+# Depth counters rather than bools so that nested regions restore correctly.
+_checkpointing: ContextVar[int] = ContextVar("remat_checkpointing", default=0)
+_recomputing: ContextVar[int] = ContextVar("remat_recomputing", default=0)
+
+
+@contextlib.contextmanager
+def set_checkpoint_early_stop(enable: bool) -> Iterator[None]:
+    """Override ``early_stop`` of every non-reentrant ``checkpoint`` inside.
+
+    With early stop, recomputation stops as soon as every tensor the backward
+    needs has been recomputed, instead of running the rest of the function.
+
+    Args:
+        enable: ``True`` to stop early, ``False`` to always run the whole function.
+
+    Example:
+        >>> import torch, remat
+        >>> x = torch.randn(4, requires_grad=True)
+        >>> with remat.set_checkpoint_early_stop(False):
+        ...     y = remat.checkpoint(torch.sin, x)
+        >>> y.sum().backward()
+    """
+    if not isinstance(enable, bool):
+        raise TypeError(
+            f"set_checkpoint_early_stop: enable must be a bool, got {enable!r}. "
+            "Pass True to stop recomputation early or False to run the whole function."
+        )
+    token = _early_stop.set(enable)
+    try:
+        yield
+    finally:
+        _early_stop.reset(token)
+
+
+@contextlib.contextmanager
+def set_checkpoint_debug_enabled(enabled: bool | None) -> Iterator[None]:
+    """Override ``debug`` of every ``checkpoint`` call inside.
+
+    Args:
+        enabled: ``True`` or ``False`` override each call's ``debug`` argument;
+            ``None`` leaves it to the call.
+
+    Example:
+        >>> import torch, remat
+        >>> x = torch.randn(4, requires_grad=True)
+        >>> with remat.set_checkpoint_debug_enabled(True):
+        ...     y = remat.checkpoint(torch.sin, x)
+        >>> y.sum().backward()
+    """
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(
+            f"set_checkpoint_debug_enabled: enabled must be True, False or None, got {enabled!r}."
+        )
+    token = _debug.set(enabled)
+    try:
+        yield
+    finally:
+        _debug.reset(token)
+
+
+@contextlib.contextmanager
+def disable_checkpointing() -> Iterator[None]:
+    """Run every ``checkpoint`` call and checkpointed module inside as a plain call.
+
+    Useful to compare a model with and without checkpointing, or for evaluation
+    code that runs with gradients.
+
+    Example:
+        >>> import torch, remat
+        >>> x = torch.randn(4, requires_grad=True)
+        >>> with remat.disable_checkpointing():
+        ...     y = remat.checkpoint(torch.sin, x)   # just torch.sin(x)
+        >>> y.grad_fn.name()
+        'SinBackward0'
+    """
+    token = _disabled.set(True)
+    try:
+        yield
+    finally:
+        _disabled.reset(token)
+
+
+def is_checkpointing() -> bool:
+    """True while a checkpointed function runs, in its forward or in its recompute.
+
+    Example:
+        >>> import torch, remat
+        >>> remat.is_checkpointing()
+        False
+        >>> remat.checkpoint(lambda x: remat.is_checkpointing(), torch.ones(1, requires_grad=True))
+        True
+    """
+    return _checkpointing.get() > 0
+
+
+def is_recomputing() -> bool:
+    """True while a checkpointed function is being recomputed for backward.
+
+    Guard side effects (appending to a cache, logging, counters) with it so
+    that they happen once per step, not again in recompute.
+
+    Example:
+        >>> import torch, remat
+        >>> calls = []
+        >>> def f(x):
+        ...     if not remat.is_recomputing():
+        ...         calls.append(1)
+        ...     return x.sin()
+        >>> remat.checkpoint(f, torch.ones(2, requires_grad=True)).sum().backward()
+        >>> len(calls)
+        1
+    """
+    return _recomputing.get() > 0

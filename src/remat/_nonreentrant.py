@@ -1,0 +1,404 @@
+"""The non-reentrant engine: saved-tensor hooks, recompute per backward, early stop.
+
+How it works
+------------
+While the checkpointed function runs in forward, a pack hook replaces every
+tensor autograd wants to save with a small :class:`_Holder`; the tensor itself
+is not kept. The region's inputs are kept instead, as autograd ``SavedTensor``
+objects made under the hooks that were active *outside* the region, so that
+
+* an in-place change of an input after forward raises autograd's usual
+  "modified by an inplace operation" error instead of a silently wrong gradient;
+* a checkpoint nested in another one hands its inputs to the outer region,
+  which recomputes them too (nesting keeps only the outermost inputs).
+
+When backward first unpacks a holder of a region, the region is recomputed
+under the forward's RNG and autocast state (:mod:`remat._state`), with a
+second pack hook that stores the ``i``-th saved tensor into the ``i``-th
+holder, keyed by the autograd graph task. Unpacking pops the tensor, so each
+recomputed tensor is freed as soon as its backward node has used it, also with
+``retain_graph=True`` (a later backward is a new graph task and recomputes
+again). With early stop the recompute raises a private exception as soon as
+the last holder is filled and the rest of the function never runs.
+
+The frame holds weak references to its holders: a holder dies with its graph
+node, and nothing recomputed for it is stored.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from . import _config
+from ._errors import CheckpointError
+from ._state import ForwardState
+from ._tree import SLOT, has_nested, replace_tensors, tensors_in
+
+_make_saved: Callable[..., Any] | None
+try:
+    from torch._C._autograd import _make_saved_tensor as _make_saved
+except ImportError:  # older torch: inputs are kept by reference, versions checked by hand
+    _make_saved = None
+
+_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+_graph_task_id = torch._C._current_graph_task_id
+_outside_backward_ids = itertools.count(-2, -1)
+
+_TIP = (
+    "Pass debug=True to checkpoint (or wrap the code in "
+    "remat.set_checkpoint_debug_enabled(True)) to see the operators run in forward and in "
+    "recompute side by side. Common causes: code that depends on global state changed "
+    "between forward and backward (a flag, a counter, a cache), or randomness outside "
+    "torch's RNG."
+)
+
+
+class _Holder:
+    """What autograd keeps in place of a saved tensor: recomputed values by graph task."""
+
+    __slots__ = ("recomputed", "__weakref__")
+
+    def __init__(self) -> None:
+        self.recomputed: dict[int, torch.Tensor] = {}
+
+
+class _StopRecompute(Exception):
+    def __init__(self, frame: _Frame) -> None:
+        self.frame = frame
+
+
+def _meta(x: torch.Tensor) -> tuple[Any, ...]:
+    return (x.shape, x.dtype, x.device)
+
+
+def _checksum(x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        if x.is_complex():
+            x = torch.view_as_real(x)
+        if x.is_floating_point():
+            d = x.detach().double()
+            return torch.stack((d.sum(), d.abs().sum()))
+        return x.detach().long().sum().double().reshape(1)
+
+
+def _describe(meta: tuple[Any, ...]) -> str:
+    shape, dtype, device = meta[:3]
+    return f"shape={tuple(shape)}, dtype={dtype}, device={device}"
+
+
+class _Frame:
+    """One call of a checkpointed function: its inputs, state and holders."""
+
+    __slots__ = (
+        "fn",
+        "args",
+        "kwargs",
+        "nested",
+        "inputs",
+        "versions",
+        "state",
+        "recompute_ctx",
+        "early_stop",
+        "check",
+        "debug",
+        "holders",
+        "metas",
+        "done",
+        "forward_completed",
+        "fwd_ops",
+        "__weakref__",
+    )
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        nested: bool,
+        tensors: list[torch.Tensor],
+        state: ForwardState,
+        recompute_ctx: Any,
+        check: str,
+        early_stop: bool,
+        debug: bool,
+    ) -> None:
+        self.fn = fn
+        self.state = state
+        self.recompute_ctx = recompute_ctx
+        self.check = check
+        self.early_stop = early_stop
+        self.debug = debug
+        self.holders: list[weakref.ref[_Holder]] = []
+        self.metas: list[Any] = []
+        self.done: set[int] = set()
+        self.forward_completed = False
+        self.fwd_ops: list[tuple[str, str]] | None = None
+        self.versions: list[int] | None = None
+        self.nested = nested
+        self.kwargs = kwargs
+        self.args: Any = args
+        self.inputs: list[Any] = tensors
+        if _make_saved is None:
+            self.versions = [t._version for t in tensors]
+            return
+        # Keep the inputs through autograd's SavedTensor (see module docstring) and
+        # drop the direct references from the argument template.
+        self.inputs = [_make_saved(t, is_output=False) for t in tensors]
+        if nested:
+            self.args = replace_tensors((args, kwargs), [SLOT] * len(tensors), [0])
+            self.kwargs = {}
+        else:
+            self.args = tuple(SLOT if isinstance(a, torch.Tensor) else a for a in args)
+
+    # -- forward hooks ---------------------------------------------------------------
+    def pack(self, x: torch.Tensor) -> _Holder:
+        h = _Holder()
+        self.holders.append(weakref.ref(h))
+        check = self.check
+        if check == "default":
+            self.metas.append((x.shape, x.dtype, x.device))
+        elif check == "values":
+            self.metas.append((x.shape, x.dtype, x.device, _checksum(x)))
+        return h
+
+    def unpack(self, h: _Holder) -> torch.Tensor:
+        gid = _graph_task_id()
+        if gid == -1:
+            gid = next(_outside_backward_ids)
+        if gid not in self.done:
+            self.recompute(gid)
+        try:
+            return h.recomputed.pop(gid)
+        except KeyError:
+            raise CheckpointError(
+                "remat.checkpoint: a saved tensor of a checkpointed region was unpacked twice in "
+                "the same backward. If a custom autograd.Function reads ctx.saved_tensors more "
+                "than once in backward, read it once and keep the result."
+            ) from None
+
+    # -- recompute -------------------------------------------------------------------
+    def input_values(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if _make_saved is not None:
+            tensors = [s.unpack() for s in self.inputs]
+        else:
+            tensors = self.inputs
+            for i, (t, v) in enumerate(zip(tensors, self.versions or [])):
+                if t._version != v:
+                    raise RuntimeError(
+                        f"remat.checkpoint: input {i} of a checkpointed region (shape "
+                        f"{tuple(t.shape)}) was modified in place after the forward; its "
+                        "recompute would be wrong. Clone the input before changing it."
+                    )
+        if _make_saved is None:
+            return self.args, self.kwargs
+        if self.nested:
+            args, kwargs = replace_tensors(self.args, tensors, [0])
+            return args, kwargs
+        it = iter(tensors)
+        return tuple(next(it) if a is SLOT else a for a in self.args), self.kwargs
+
+    def recompute(self, gid: int) -> None:
+        args, kwargs = self.input_values()
+        rec = _RecomputeHook(self, gid)
+        log = None
+        token = self.state.enter()
+        ctx = self.recompute_ctx
+        c_tok = _config._checkpointing.set(_config._checkpointing.get() + 1)
+        r_tok = _config._recomputing.set(_config._recomputing.get() + 1)
+        _push_hooks(rec.pack, _identity)
+        try:
+            with torch.enable_grad():
+                if self.debug:
+                    from ._debug import OpLog
+
+                    log = OpLog()
+                    with log:
+                        self._run_recompute(ctx, args, kwargs)
+                else:
+                    self._run_recompute(ctx, args, kwargs)
+        except _StopRecompute as stop:
+            if stop.frame is not self:
+                raise
+        finally:
+            _pop_hooks()
+            _config._recomputing.reset(r_tok)
+            _config._checkpointing.reset(c_tok)
+            self.state.exit(token)
+        self.done.add(gid)
+        rec.finish(log)
+
+    def _run_recompute(self, ctx: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if ctx is None:
+            self.fn(*args, **kwargs)
+        else:
+            with ctx:
+                self.fn(*args, **kwargs)
+
+    def mismatch(self, message: str, log: Any) -> CheckpointError:
+        text = f"remat.checkpoint: {message}\n{_TIP}"
+        if log is not None and self.fwd_ops is not None:
+            from ._debug import report
+
+            text = (
+                f"remat.checkpoint: {message}\nOperators run in forward and in recompute:\n"
+                + report(self.fwd_ops, log.ops)
+            )
+        return CheckpointError(text)
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+class _RecomputeHook:
+    """Pack hook of a recompute: hands the i-th saved tensor to the i-th holder."""
+
+    __slots__ = ("frame", "gid", "count", "bad")
+
+    def __init__(self, frame: _Frame, gid: int) -> None:
+        self.frame = frame
+        self.gid = gid
+        self.count = 0
+        self.bad: list[tuple[int, Any, Any]] = []
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        frame = self.frame
+        i = self.count
+        self.count = i + 1
+        n = len(frame.holders)
+        if x.requires_grad:
+            x = x.detach()
+        if i >= n:
+            if not frame.forward_completed:
+                return x  # backward ran inside the forward itself: nothing to compare
+            raise frame.mismatch(f"the recompute saved more tensors than the forward ({n}).", None)
+        h = frame.holders[i]()
+        if h is not None:
+            h.recomputed[self.gid] = x
+            check = frame.check
+            if check != "none":
+                want = frame.metas[i]
+                if check == "default":
+                    got: Any = (x.shape, x.dtype, x.device)
+                    if got != want:
+                        self.bad.append((i, want, got))
+                else:
+                    got = (x.shape, x.dtype, x.device, _checksum(x))
+                    if got[:3] != want[:3] or not _sums_close(want[3], got[3]):
+                        self.bad.append((i, want, got))
+        if frame.early_stop and i + 1 == n:
+            raise _StopRecompute(frame)
+        return x
+
+    def finish(self, log: Any) -> None:
+        frame = self.frame
+        n = len(frame.holders)
+        if self.count != n and frame.forward_completed:
+            raise frame.mismatch(
+                "a different number of tensors was saved in forward and in recompute "
+                f"(forward: {n}, recompute: {self.count}).",
+                log,
+            )
+        if self.bad:
+            lines = []
+            for i, want, got in self.bad[:10]:
+                line = f"  saved tensor #{i}: forward {_describe(want)}; recompute {_describe(got)}"
+                if len(want) > 3:
+                    line += f"; checksum forward {want[3].tolist()} vs recompute {got[3].tolist()}"
+                lines.append(line)
+            more = f"\n  ... and {len(self.bad) - 10} more" if len(self.bad) > 10 else ""
+            kind = "values" if frame.check == "values" else "metadata"
+            raise frame.mismatch(
+                f"recomputed tensors have different {kind} than in forward "
+                f"({len(self.bad)} of {n}):\n" + "\n".join(lines) + more,
+                log,
+            )
+
+
+def _sums_close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape:
+        return False
+    if bool(torch.equal(a, b)):
+        return True
+    # Non-deterministic kernels (atomics on GPU) reorder sums: allow rounding noise.
+    return bool(torch.allclose(a.cpu(), b.cpu(), rtol=1e-5, atol=1e-6))
+
+
+def run_nonreentrant(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    preserve_rng_state: bool,
+    context_fn: Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]]
+    | None,
+    determinism_check: str,
+    debug: bool,
+    early_stop: bool,
+) -> Any:
+    """Run ``fn(*args, **kwargs)`` as a non-reentrant checkpointed region."""
+    nested = bool(kwargs) or has_nested(args)
+    tensors: list[torch.Tensor]
+    if nested:
+        tensors = []
+        tensors_in((args, kwargs), tensors)
+    else:
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    state = ForwardState(tensors, preserve_rng_state)
+    fwd_ctx: Any = None
+    rec_ctx: Any = None
+    if context_fn is not None:
+        fwd_ctx, rec_ctx = context_fn()
+    frame = _Frame(
+        fn, args, kwargs, nested, tensors, state, rec_ctx, determinism_check, early_stop, debug
+    )
+    log = None
+    if debug:
+        from ._debug import OpLog
+
+        log = OpLog()
+    c_tok = _config._checkpointing.set(_config._checkpointing.get() + 1)
+    _push_hooks(frame.pack, frame.unpack)
+    try:
+        if fwd_ctx is None and log is None:
+            out = fn(*args, **kwargs)
+        else:
+            out = _run_in(fwd_ctx, log, fn, args, kwargs)
+    finally:
+        _pop_hooks()
+        _config._checkpointing.reset(c_tok)
+    if log is not None:
+        frame.fwd_ops = log.ops
+    frame.forward_completed = True
+    return out
+
+
+_NOT_RUN = object()
+
+
+def _run_in(fwd_ctx: Any, log: Any, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    out: Any = _NOT_RUN
+    if fwd_ctx is not None:
+        with fwd_ctx:
+            if log is not None:
+                with log:
+                    out = fn(*args, **kwargs)
+            else:
+                out = fn(*args, **kwargs)
+    else:
+        with log:
+            out = fn(*args, **kwargs)
+    if out is _NOT_RUN:
+        raise RuntimeError(
+            "remat.checkpoint: the forward context returned by context_fn suppressed an "
+            "exception raised in the checkpointed function; checkpoint cannot return a value "
+            "for a failed forward. Make the context manager's __exit__ return False."
+        )
+    return out

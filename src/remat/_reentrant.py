@@ -1,0 +1,151 @@
+"""The reentrant variant (``use_reentrant=True``): an ``autograd.Function``.
+
+Forward runs the function under ``no_grad`` and keeps only its tensor
+arguments; backward re-runs it with grad enabled on detached copies of them
+and calls ``torch.autograd.backward`` on the recomputed outputs (a reentrant
+backward, hence the name). It follows torch's semantics and restrictions:
+keyword arguments are rejected, ``torch.autograd.grad`` and
+``backward(inputs=...)`` raise, and tensors nested in containers get no
+gradient.
+
+One deliberate difference: when no tensor argument requires grad (frozen
+embeddings feeding a trainable block, LoRA), torch's outputs do not require
+grad and the parameters inside silently get no gradient. remat adds a hidden
+zero-size leaf that requires grad, so the outputs are part of the graph and
+backward reaches the parameters. When nothing inside requires grad either,
+the outputs still report ``requires_grad=True`` and backward returns no
+gradients.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from . import _config
+from ._state import ForwardState
+
+_BACKWARD_INPUTS_MSG = (
+    "remat.checkpoint: use_reentrant=True does not work with torch.autograd.grad() or "
+    "backward(inputs=...): its backward runs a nested backward that cannot see which "
+    "inputs you asked for. Pass use_reentrant=False (the default), or call .backward() "
+    "without the inputs argument."
+)
+
+
+def detach_variable(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Detach each tensor in ``inputs``, keeping its ``requires_grad``; as torch's helper.
+
+    Args:
+        inputs: a tuple; entries that are not tensors are passed through.
+
+    Example:
+        >>> import torch, remat
+        >>> x = torch.ones(2, requires_grad=True) * 2
+        >>> (d,) = remat.detach_variable((x,))
+        >>> d.requires_grad, d.grad_fn is None
+        (True, True)
+    """
+    if not isinstance(inputs, tuple):
+        raise RuntimeError(
+            f"detach_variable: only tuple of tensors is supported, got {type(inputs).__name__}. "
+            "Wrap the inputs in a tuple."
+        )
+    out = []
+    for inp in inputs:
+        if not isinstance(inp, torch.Tensor):
+            out.append(inp)
+            continue
+        x = inp.detach()
+        x.requires_grad = inp.requires_grad
+        out.append(x)
+    return tuple(out)
+
+
+def check_backward_validity(inputs: Iterable[Any]) -> None:
+    """Warn when no tensor in ``inputs`` requires grad, as torch's helper does.
+
+    Example:
+        >>> import torch, remat
+        >>> remat.check_backward_validity([torch.ones(1, requires_grad=True)])
+    """
+    if not any(isinstance(i, torch.Tensor) and i.requires_grad for i in inputs):
+        warnings.warn(
+            "None of the inputs have requires_grad=True. Gradients will be None", stacklevel=2
+        )
+
+
+class _ReentrantCheckpoint(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, run_function: Callable[..., Any], preserve: bool, anchor: Any, *args: Any
+    ) -> Any:
+        ctx.run_function = run_function
+        ctx.anchored = anchor is not None
+        tensors = []
+        ctx.tensor_indices = []
+        ctx.inputs = []
+        for i, arg in enumerate(args):
+            if isinstance(arg, torch.Tensor):
+                tensors.append(arg)
+                ctx.tensor_indices.append(i)
+                ctx.inputs.append(None)
+            else:
+                ctx.inputs.append(arg)
+        ctx.state = ForwardState(tensors, preserve)
+        ctx.save_for_backward(*tensors)
+        with torch.no_grad():
+            return run_function(*args)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError(_BACKWARD_INPUTS_MSG)
+        inputs = list(ctx.inputs)
+        for idx, t in zip(ctx.tensor_indices, ctx.saved_tensors):
+            inputs[idx] = t
+        token = ctx.state.enter()
+        c_tok = _config._checkpointing.set(_config._checkpointing.get() + 1)
+        r_tok = _config._recomputing.set(_config._recomputing.get() + 1)
+        try:
+            detached = detach_variable(tuple(inputs))
+            with torch.enable_grad():
+                outputs = ctx.run_function(*detached)
+        finally:
+            _config._recomputing.reset(r_tok)
+            _config._checkpointing.reset(c_tok)
+            ctx.state.exit(token)
+        if isinstance(outputs, torch.Tensor):
+            outputs = (outputs,)
+        outs, out_grads = [], []
+        for o, g in zip(outputs, grads):
+            if isinstance(o, torch.Tensor) and o.requires_grad:
+                outs.append(o)
+                out_grads.append(g)
+        if outs:
+            torch.autograd.backward(outs, out_grads)
+        elif not ctx.anchored:
+            raise RuntimeError(
+                "remat.checkpoint: none of the outputs of the checkpointed function requires "
+                "grad in recompute, so this checkpoint() is not necessary. Remove it, or "
+                "check that the function uses its inputs or parameters."
+            )
+        input_grads = tuple(x.grad if isinstance(x, torch.Tensor) else None for x in detached)
+        return (None, None, None) + input_grads
+
+
+def run_reentrant(
+    fn: Callable[..., Any], args: tuple[Any, ...], *, preserve_rng_state: bool
+) -> Any:
+    """Run ``fn(*args)`` as a reentrant checkpointed region."""
+    anchor = None
+    if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        anchor = torch.empty(0, requires_grad=True)
+    c_tok = _config._checkpointing.set(_config._checkpointing.get() + 1)
+    try:
+        return _ReentrantCheckpoint.apply(fn, preserve_rng_state, anchor, *args)
+    finally:
+        _config._checkpointing.reset(c_tok)

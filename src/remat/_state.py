@@ -1,0 +1,253 @@
+"""Capture and replay of the global state a recompute must see.
+
+A checkpointed function is run twice: in forward and, later, in backward. For
+the second run to compute the same values it must see the same
+
+* random number generator state: the CPU generator and the generators of the
+  devices that hold the tensor arguments (any device type with a
+  ``torch.get_device_module``, not only CUDA);
+* autocast state of every device type (enabled, dtype, cache);
+* grad mode (recompute always runs with grad enabled: checkpointing only
+  happens when the forward ran with grad enabled).
+
+:class:`ForwardState` records these at forward time. Its :meth:`enter` puts
+them in place for the recompute and returns a token; :meth:`exit` restores the
+state that was there before, so the global RNG after backward is exactly what
+it would be without checkpointing. ``exit`` runs on every exit path.
+
+Which device's RNG is replayed when tensors sit on several device types: CUDA
+if any argument is on CUDA, else the first non-CPU device type found in
+argument order (the same rule as torch), with a warning. When no argument is on
+a device, the type set with :class:`DefaultDeviceType` is used (``"cuda"``),
+and its RNG is replayed only if an argument lives on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ._tree import tensors_in
+
+
+class DefaultDeviceType:
+    """The device type whose RNG is replayed when no tensor argument is on a device.
+
+    Like torch's class of the same name this is one process-wide setting (it
+    configures the process, not a region of code); it defaults to ``"cuda"``.
+
+    Example:
+        >>> import remat
+        >>> remat.DefaultDeviceType.get_device_type()
+        'cuda'
+    """
+
+    _device_type: str = "cuda"
+
+    @staticmethod
+    def set_device_type(device: str = "cuda") -> None:
+        """Set the default device type (for example ``"cuda"``, ``"xpu"``)."""
+        if not isinstance(device, str):
+            raise TypeError(
+                f"DefaultDeviceType.set_device_type: device must be a device type name "
+                f"such as 'cuda', got {device!r}."
+            )
+        DefaultDeviceType._device_type = device
+
+    @staticmethod
+    def get_device_type() -> str:
+        """Return the default device type."""
+        return DefaultDeviceType._device_type
+
+
+def infer_device_type(tensors: Iterable[torch.Tensor]) -> str:
+    """The device type whose RNG is replayed for these tensor arguments."""
+    types: list[str] = []
+    for t in tensors:
+        dt = t.device.type
+        if dt != "cpu" and dt not in types:
+            types.append(dt)
+    if not types:
+        return DefaultDeviceType.get_device_type()
+    if len(types) > 1:
+        first = "cuda" if "cuda" in types else types[0]
+        warnings.warn(
+            f"remat.checkpoint: tensor arguments are on several device types {sorted(types)}; "
+            f"only the RNG state of '{first}' is saved and replayed. Random ops on the "
+            "other device types may differ in recompute.",
+            stacklevel=4,
+        )
+        return first
+    return types[0]
+
+
+def _device_module(device_type: str) -> Any:
+    if device_type == "meta":
+        return None
+    try:
+        return torch.get_device_module(device_type)
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def _device_initialized(device_type: str) -> bool:
+    mod = _device_module(device_type)
+    if mod is None:
+        return False
+    init = getattr(mod, "_initialized", None)
+    if init is None:
+        is_init = getattr(mod, "is_initialized", None)
+        return bool(is_init()) if callable(is_init) else False
+    return bool(init)
+
+
+def get_device_states(*args: Any) -> tuple[list[int], list[torch.Tensor]]:
+    """RNG states of the devices that hold the tensors in ``args``, as torch's helper.
+
+    Returns:
+        ``(device_ids, states)``, one entry per non-CPU tensor found (nested
+        containers are searched).
+
+    Example:
+        >>> import torch, remat
+        >>> remat.get_device_states(torch.ones(1))
+        ([], [])
+    """
+    tensors: list[torch.Tensor] = []
+    tensors_in(args, tensors)
+    ids = [t.get_device() for t in tensors if t.device.type not in ("cpu", "meta")]
+    states: list[torch.Tensor] = []
+    if ids:
+        mod = _device_module(infer_device_type(tensors))
+        for i in ids:
+            with mod.device(i):
+                states.append(mod.get_rng_state())
+    return ids, states
+
+
+def set_device_states(
+    devices: list[int], states: list[torch.Tensor], *, device_type: str | None = None
+) -> None:
+    """Set the RNG state of each device in ``devices``, as torch's helper.
+
+    Args:
+        devices: device indices.
+        states: one RNG state per device, from :func:`get_device_states`.
+        device_type: defaults to :meth:`DefaultDeviceType.get_device_type`.
+
+    Example:
+        >>> import remat
+        >>> remat.set_device_states([], [])
+    """
+    if device_type is None:
+        device_type = DefaultDeviceType.get_device_type()
+    if device_type == "meta":
+        return
+    mod = _device_module(device_type)
+    for dev, state in zip(devices, states):
+        with mod.device(dev):
+            mod.set_rng_state(state)
+
+
+_AUTOCAST_TYPES: tuple[str, ...] | None = None
+
+
+def _autocast_types() -> tuple[str, ...]:
+    global _AUTOCAST_TYPES  # a cache of a fact about the torch build, not a setting
+    if _AUTOCAST_TYPES is None:
+        names = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla", "ipu", "privateuseone")
+        _AUTOCAST_TYPES = tuple(n for n in names if torch.amp.is_autocast_available(n))
+    return _AUTOCAST_TYPES
+
+
+def _autocast_snapshot() -> tuple[tuple[str, bool, torch.dtype], ...]:
+    return tuple(
+        (t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in _autocast_types()
+    )
+
+
+class ForwardState:
+    """RNG and autocast state recorded when a checkpointed forward starts."""
+
+    __slots__ = ("autocast", "cache", "cpu_rng", "device_type", "devices", "device_rngs")
+
+    def __init__(self, tensors: list[torch.Tensor], preserve_rng_state: bool) -> None:
+        # Autocast: record nothing when it is off everywhere (the common case).
+        if torch._C._is_any_autocast_enabled():
+            self.autocast: tuple[tuple[str, bool, torch.dtype], ...] | None = _autocast_snapshot()
+        else:
+            self.autocast = None
+        self.cache = torch.is_autocast_cache_enabled()
+        self.cpu_rng: torch.Tensor | None = None
+        self.device_type = "cpu"
+        self.devices: list[int] = []
+        self.device_rngs: list[torch.Tensor] = []
+        if preserve_rng_state:
+            self.cpu_rng = torch.get_rng_state()
+            device_type = infer_device_type(tensors)
+            self.device_type = device_type
+            if device_type != "cpu" and _device_initialized(device_type):
+                mod = _device_module(device_type)
+                for t in tensors:
+                    if t.device.type == device_type:
+                        idx = t.get_device()
+                        if idx not in self.devices:
+                            self.devices.append(idx)
+                for idx in self.devices:
+                    with mod.device(idx):
+                        self.device_rngs.append(mod.get_rng_state())
+
+    def enter(self) -> tuple[Any, ...]:
+        """Put the forward's state in place; return what :meth:`exit` restores."""
+        saved_cpu = saved_dev = None
+        mod = None
+        if self.cpu_rng is not None:
+            saved_cpu = torch.get_rng_state()
+            torch.set_rng_state(self.cpu_rng)
+            if self.devices:
+                mod = _device_module(self.device_type)
+                saved_dev = []
+                for idx, state in zip(self.devices, self.device_rngs):
+                    with mod.device(idx):
+                        saved_dev.append(mod.get_rng_state())
+                        mod.set_rng_state(state)
+        stack = None
+        if self.autocast is not None or torch._C._is_any_autocast_enabled():
+            stack = contextlib.ExitStack()
+            try:
+                fwd = self.autocast or tuple(
+                    (t, False, torch.get_autocast_dtype(t)) for t in _autocast_types()
+                )
+                for t, enabled, dtype in fwd:
+                    if enabled or torch.is_autocast_enabled(t):
+                        stack.enter_context(
+                            torch.autocast(
+                                t, dtype=dtype, enabled=enabled, cache_enabled=self.cache
+                            )
+                        )
+            except BaseException:
+                stack.close()
+                self._restore_rng(saved_cpu, saved_dev, mod)
+                raise
+        return saved_cpu, saved_dev, mod, stack
+
+    def exit(self, token: tuple[Any, ...]) -> None:
+        """Restore the state that :meth:`enter` replaced."""
+        saved_cpu, saved_dev, mod, stack = token
+        try:
+            if stack is not None:
+                stack.close()
+        finally:
+            self._restore_rng(saved_cpu, saved_dev, mod)
+
+    def _restore_rng(self, saved_cpu: Any, saved_dev: Any, mod: Any) -> None:
+        if saved_cpu is not None:
+            torch.set_rng_state(saved_cpu)
+        if saved_dev is not None:
+            for idx, state in zip(self.devices, saved_dev):
+                with mod.device(idx):
+                    mod.set_rng_state(state)

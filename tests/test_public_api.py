@@ -1,0 +1,55 @@
+"""The public names are a contract (../shared/API.md): pin them."""
+
+import subprocess
+import sys
+
+import remat
+
+EXPECTED_ALL = [
+    "CheckpointError",
+    "DefaultDeviceType",
+    "PlanError",
+    "RematError",
+    "check_backward_validity",
+    "checkpoint",
+    "checkpoint_sequential",
+    "detach_variable",
+    "disable_checkpointing",
+    "get_device_states",
+    "is_checkpointing",
+    "is_recomputing",
+    "noop_context_fn",
+    "set_checkpoint_debug_enabled",
+    "set_checkpoint_early_stop",
+    "set_device_states",
+]
+
+
+def test_all_is_pinned_and_sorted():
+    assert remat.__all__ == EXPECTED_ALL
+    assert remat.__all__ == sorted(remat.__all__)
+
+
+def test_every_name_in_all_exists():
+    for name in remat.__all__:
+        assert hasattr(remat, name), name
+
+
+def test_import_and_first_checkpoint_do_not_import_dynamo():
+    code = (
+        "import sys, torch, remat\n"
+        "x = torch.randn(4, requires_grad=True)\n"
+        "remat.checkpoint(torch.sin, x).sum().backward()\n"
+        "remat.checkpoint(torch.sin, x, use_reentrant=True).sum().backward()\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_checkpoint_error_is_torchs_and_rematerror():
+    import torch.utils.checkpoint as tuc
+
+    assert issubclass(remat.CheckpointError, tuc.CheckpointError)
+    assert issubclass(remat.CheckpointError, remat.RematError)
+    assert issubclass(remat.CheckpointError, RuntimeError)
