@@ -7,6 +7,7 @@ Example:
     >>> remat.checkpoint(block, x).sum().backward()
 """
 
+from . import policies
 from ._checkpoint import checkpoint, noop_context_fn
 from ._config import (
     disable_checkpointing,
@@ -16,26 +17,35 @@ from ._config import (
     set_checkpoint_early_stop,
 )
 from ._errors import CheckpointError, PlanError, RematError
+from ._offload import OffloadStats, offload
 from ._reentrant import check_backward_validity, detach_variable
+from ._selective import SelectiveCheckpointContext, create_selective_checkpoint_contexts
 from ._sequential import checkpoint_sequential
 from ._state import DefaultDeviceType, get_device_states, set_device_states
+from .policies import CheckpointPolicy
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
     "CheckpointError",
+    "CheckpointPolicy",
     "DefaultDeviceType",
+    "OffloadStats",
     "PlanError",
     "RematError",
+    "SelectiveCheckpointContext",
     "check_backward_validity",
     "checkpoint",
     "checkpoint_sequential",
+    "create_selective_checkpoint_contexts",
     "detach_variable",
     "disable_checkpointing",
     "get_device_states",
     "is_checkpointing",
     "is_recomputing",
     "noop_context_fn",
+    "offload",
+    "policies",
     "set_checkpoint_debug_enabled",
     "set_checkpoint_early_stop",
     "set_device_states",

@@ -34,6 +34,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes as _no_modes
 
 from . import _config
 from ._errors import CheckpointError
@@ -79,7 +80,8 @@ def _meta(x: torch.Tensor) -> tuple[Any, ...]:
 
 
 def _checksum(x: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
+    # Outside any dispatch mode: selective checkpointing must not see these ops.
+    with torch.no_grad(), _no_modes():
         if x.is_complex():
             x = torch.view_as_real(x)
         if x.is_floating_point():
@@ -325,6 +327,11 @@ class _RecomputeHook:
 def _sums_close(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape:
         return False
+    with _no_modes():
+        return _close(a, b)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     if bool(torch.equal(a, b)):
         return True
     # Non-deterministic kernels (atomics on GPU) reorder sums: allow rounding noise.

@@ -1,0 +1,339 @@
+"""Selective checkpointing: save, recompute or offload each operator's output.
+
+``create_selective_checkpoint_contexts(policy)`` returns the two dispatch
+modes that :func:`remat.checkpoint` runs the forward and the recompute under
+(its ``context_fn``).
+
+* Forward (:class:`_SaveMode`): every ATen operator runs; the policy decides
+  per call. ``SAVE`` keeps a detached alias of the output (and its version);
+  ``CPU_OFFLOAD`` hands the output to the host stash of :mod:`remat._offload`
+  (on CPU-only setups it is kept as is); ``RECOMPUTE`` keeps nothing. The
+  decisions are stored per operator, in call order.
+* Recompute (:class:`_ServeMode`): the ``i``-th call of an operator is served
+  from the ``i``-th stored decision: a saved or offloaded output is returned
+  without running the operator, a recompute one runs again. A saved random
+  operator also puts the RNG where the forward left it after that operator,
+  so later random operators draw the same numbers as in forward.
+
+Policies are called in forward with ``ctx.is_recompute=False`` and, when they
+are functions, again in recompute with ``ctx.is_recompute=True``; a different
+answer raises :class:`~remat.CheckpointError`. ``ctx.index`` tells how many
+times this operator already ran in the current run (forward or this
+recompute): a policy that wants "every second matmul" should use it instead of
+a counter of its own, which would drift between forward and recompute.
+
+Unlike torch, stored outputs are not consumed by the first recompute, so a
+second backward over the region (``retain_graph=True``) works; they are freed
+with the region's autograd graph.
+
+Inside ``torch.compile`` the contexts are torch's own (the compiler knows how
+to trace them); the offload policies then follow torch's compiled semantics.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as _tuc
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._errors import CheckpointError
+from ._offload import HostStash
+from .policies import CheckpointPolicy, OpPolicy
+
+_SAVE = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+_OFFLOAD = (CheckpointPolicy.MUST_CPU_OFFLOAD, CheckpointPolicy.PREFER_CPU_OFFLOAD)
+_IGNORED = frozenset(_tuc.SAC_IGNORED_OPS)
+_SEEDED = torch.Tag.nondeterministic_seeded
+
+
+class SelectiveCheckpointContext:
+    """What a selective-checkpointing policy is told about the current call.
+
+    Attributes:
+        is_recompute: ``False`` in forward, ``True`` in recompute.
+        index: how many times this operator ran before in the current run of
+            the region (forward, or the current recompute).
+        op_output: the operator's output in forward; ``None`` in recompute.
+
+    Example:
+        >>> import remat
+        >>> ctx = remat.SelectiveCheckpointContext(is_recompute=False)
+        >>> ctx.is_recompute, ctx.index
+        (False, 0)
+    """
+
+    __slots__ = ("is_recompute", "index", "op_output")
+
+    def __init__(self, *, is_recompute: bool, index: int = 0, op_output: Any = None) -> None:
+        self.is_recompute = is_recompute
+        self.index = index
+        self.op_output = op_output
+
+
+class _Kind(enum.Enum):
+    RECOMPUTE = 0
+    SAVE = 1
+    OFFLOAD = 2
+
+
+def _kind(policy: Any, func: Any) -> _Kind:
+    if policy is True or policy is False:
+        return _Kind.SAVE if policy else _Kind.RECOMPUTE
+    if policy in _SAVE:
+        return _Kind.SAVE
+    if policy in _OFFLOAD:
+        return _Kind.OFFLOAD
+    if policy in (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE):
+        return _Kind.RECOMPUTE
+    raise TypeError(
+        f"selective checkpointing: the policy returned {policy!r} for {func}; return a "
+        "remat.CheckpointPolicy member (or a bool: True saves, False recomputes)."
+    )
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    # A detached alias made with view tracking on, so that it shares the version
+    # counter and autograd can treat it like the original output.
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return t.detach()
+
+
+class _Saved:
+    __slots__ = ("value", "versions", "rng")
+
+    def __init__(self, out: Any) -> None:
+        if isinstance(out, torch.Tensor):
+            self.value: Any = _alias(out)
+            self.versions: Any = out._version
+        else:
+            self.value = [(_alias(o) if isinstance(o, torch.Tensor) else o) for o in out]
+            self.versions = [(o._version if isinstance(o, torch.Tensor) else None) for o in out]
+        self.rng: tuple[Any, ...] | None = None
+
+    def get(self, func: Any, allow_mutation: bool) -> Any:
+        if isinstance(self.value, torch.Tensor):
+            return self._one(self.value, self.versions, func, allow_mutation)
+        vals = [
+            self._one(v, ver, func, allow_mutation) if isinstance(v, torch.Tensor) else v
+            for v, ver in zip(self.value, self.versions)
+        ]
+        return tuple(vals)
+
+    @staticmethod
+    def _one(v: torch.Tensor, version: int, func: Any, allow_mutation: bool) -> torch.Tensor:
+        if not allow_mutation and v._version != version:
+            raise CheckpointError(
+                f"selective checkpointing: the output of {func} that the policy saved was "
+                f"modified in place after it was saved (version {version} -> {v._version}), so "
+                "recompute would read changed values. Make the in-place op out-of-place "
+                "(e.g. x = x.relu() instead of x.relu_()), have the policy recompute this op, "
+                "or pass allow_cache_entry_mutation=True if the change is intended."
+            )
+        return _alias(v)
+
+
+class _Offloaded:
+    __slots__ = ("tickets", "is_tensor", "stash", "single", "rng")
+
+    def __init__(self, out: Any, stash: HostStash) -> None:
+        self.stash = stash
+        self.single = isinstance(out, torch.Tensor)
+        outs = [out] if self.single else list(out)
+        self.is_tensor = [isinstance(o, torch.Tensor) for o in outs]
+        self.tickets = [stash.put(o) if t else o for o, t in zip(outs, self.is_tensor)]
+        self.rng: tuple[Any, ...] | None = None
+
+    def get(self, func: Any, allow_mutation: bool) -> Any:
+        vals = [
+            _fresh(self.stash.get(tk)) if t else tk for tk, t in zip(self.tickets, self.is_tensor)
+        ]
+        return vals[0] if self.single else tuple(vals)
+
+
+def _fresh(t: torch.Tensor) -> torch.Tensor:
+    # A CPU "offloaded" tensor is the forward's own output: hand out an alias of it.
+    return _alias(t) if t.device.type == "cpu" else t
+
+
+_RECOMPUTE = object()
+
+
+def _rng_after(out: Any) -> tuple[Any, ...]:
+    """RNG state right after a random operator: CPU and the output's device."""
+    dev = None
+    t = (
+        out
+        if isinstance(out, torch.Tensor)
+        else next((o for o in out if isinstance(o, torch.Tensor)), None)
+    )
+    if t is not None and t.device.type not in ("cpu", "meta"):
+        mod = torch.get_device_module(t.device.type)
+        with mod.device(t.device):
+            dev = (mod, t.device, mod.get_rng_state())
+    return (torch.get_rng_state(), dev)
+
+
+def _set_rng(state: tuple[Any, ...]) -> None:
+    cpu, dev = state
+    torch.set_rng_state(cpu)
+    if dev is not None:
+        mod, device, s = dev
+        with mod.device(device):
+            mod.set_rng_state(s)
+
+
+class _Store:
+    """Decisions and kept outputs of one region, shared by its two modes."""
+
+    __slots__ = ("entries", "answers", "stash")
+
+    def __init__(self) -> None:
+        self.entries: dict[Any, list[Any]] = {}
+        self.answers: dict[Any, list[_Kind]] = {}
+        self.stash: HostStash | None = None
+
+
+class _SaveMode(TorchDispatchMode):
+    """Forward mode: run every operator and keep what the policy says."""
+
+    def __init__(self, policy: Callable[..., Any], store: _Store) -> None:
+        super().__init__()
+        self.policy = policy
+        self.store = store
+        self.fast: tuple[frozenset[Any], _Kind, _Kind] | None = None
+        if isinstance(policy, OpPolicy):
+            self.fast = (policy.ops, _kind(policy.on_match, None), _kind(policy.otherwise, None))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in _IGNORED:
+            return out
+        entries = self.store.entries.get(func)
+        if entries is None:
+            entries = self.store.entries[func] = []
+        if self.fast is not None:
+            ops, on_match, otherwise = self.fast
+            kind = on_match if func in ops else otherwise
+        else:
+            ctx = SelectiveCheckpointContext(is_recompute=False, index=len(entries), op_output=out)
+            kind = _kind(self.policy(ctx, func, *args, **kwargs), func)
+            self.store.answers.setdefault(func, []).append(kind)
+        if kind is _Kind.RECOMPUTE or not _has_tensor(out):
+            entries.append(_RECOMPUTE)
+            return out
+        if kind is _Kind.SAVE:
+            entry: Any = _Saved(out)
+        else:
+            if self.store.stash is None:
+                self.store.stash = HostStash(pin_memory=torch.cuda.is_available())
+            entry = _Offloaded(out, self.store.stash)
+        if _SEEDED in func.tags:
+            entry.rng = _rng_after(out)
+        entries.append(entry)
+        return out
+
+
+def _has_tensor(out: Any) -> bool:
+    if isinstance(out, torch.Tensor):
+        return True
+    return isinstance(out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in out)
+
+
+class _ServeMode(TorchDispatchMode):
+    """Recompute mode: serve kept outputs, run the rest again."""
+
+    def __init__(self, policy: Callable[..., Any], store: _Store, allow_mutation: bool) -> None:
+        super().__init__()
+        self.policy = None if isinstance(policy, OpPolicy) else policy
+        self.store = store
+        self.allow_mutation = allow_mutation
+        self.counts: dict[Any, int] = {}
+
+    def __enter__(self) -> _ServeMode:
+        self.counts = {}
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _IGNORED:
+            return func(*args, **kwargs)
+        i = self.counts.get(func, 0)
+        self.counts[func] = i + 1
+        entries = self.store.entries.get(func)
+        if entries is None or i >= len(entries):
+            raise CheckpointError(
+                f"selective checkpointing: {func} ran {i + 1} time(s) in recompute but "
+                f"{0 if entries is None else len(entries)} time(s) in forward. The region must "
+                "run the same operators in recompute; check for code that depends on global "
+                "state changed between forward and backward."
+            )
+        entry = entries[i]
+        if self.policy is not None:
+            ctx = SelectiveCheckpointContext(is_recompute=True, index=i)
+            kind = _kind(self.policy(ctx, func, *args, **kwargs), func)
+            was = self.store.answers[func][i]
+            if kind is not was:
+                raise CheckpointError(
+                    f"selective checkpointing: the policy answered {kind.name} for call #{i} of "
+                    f"{func} in recompute but {was.name} in forward. A policy must answer the "
+                    "same in both; base it on the operator, its arguments and ctx.index, not on "
+                    "a counter of your own (see remat.SelectiveCheckpointContext)."
+                )
+        if entry is _RECOMPUTE:
+            return func(*args, **kwargs)
+        out = entry.get(func, self.allow_mutation)
+        if entry.rng is not None:
+            _set_rng(entry.rng)
+        return out
+
+
+def create_selective_checkpoint_contexts(
+    policy_fn_or_list: Callable[..., Any] | Sequence[Any],
+    allow_cache_entry_mutation: bool = False,
+) -> tuple[TorchDispatchMode, TorchDispatchMode]:
+    """Make a ``context_fn`` result for :func:`remat.checkpoint` that saves some op outputs.
+
+    Args:
+        policy_fn_or_list: either a list of ATen operator overloads
+            (``torch.ops.aten.mm.default``), meaning "save these, recompute the
+            rest", or a function ``policy(ctx, op, *args, **kwargs)`` returning
+            a :class:`CheckpointPolicy` (or a bool: ``True`` saves). The
+            function is called in forward and again in recompute with
+            ``ctx.is_recompute=True`` and must answer the same; use
+            ``ctx.index`` (calls of this op so far in this run) to count ops.
+        allow_cache_entry_mutation: allow in-place changes of saved outputs
+            (by default they raise :class:`CheckpointError` in recompute).
+
+    Returns:
+        The forward and recompute contexts.
+
+    Example:
+        >>> import functools, torch, remat
+        >>> ops = [torch.ops.aten.mm.default]
+        >>> ctx_fn = functools.partial(remat.create_selective_checkpoint_contexts, ops)
+        >>> w = torch.randn(8, 8, requires_grad=True)
+        >>> x = torch.randn(4, 8, requires_grad=True)
+        >>> y = remat.checkpoint(lambda a: torch.mm(a, w).sin(), x, context_fn=ctx_fn)
+        >>> y.sum().backward()
+    """
+    if isinstance(policy_fn_or_list, (list, tuple, set, frozenset)):
+        policy: Callable[..., Any] = OpPolicy(policy_fn_or_list)
+    elif callable(policy_fn_or_list):
+        policy = policy_fn_or_list
+    else:
+        raise TypeError(
+            "create_selective_checkpoint_contexts: policy_fn_or_list must be a policy function "
+            f"or a list of ATen ops, got {type(policy_fn_or_list).__name__}."
+        )
+    if torch.compiler.is_compiling():
+        torch_policy = policy
+        return _tuc.create_selective_checkpoint_contexts(  # type: ignore[no-any-return]
+            torch_policy, allow_cache_entry_mutation
+        )
+    store = _Store()
+    return _SaveMode(policy, store), _ServeMode(policy, store, allow_cache_entry_mutation)
