@@ -161,14 +161,15 @@ def _compiled(
     early_stop: bool,
 ) -> Any:
     """Inside torch.compile: torch's checkpoint is what the compiler knows how to trace."""
+    # Dynamo accepts context_fn only as a plain or functools.partial function and
+    # not even torch's own noop default passed explicitly: leave it out then.
+    if context_fn is not noop_context_fn:
+        kwargs = {**kwargs, "context_fn": context_fn}
     return torch.utils.checkpoint.checkpoint(
         function,
         *args,
         use_reentrant=use_reentrant,
         preserve_rng_state=preserve_rng_state,
-        context_fn=context_fn
-        if context_fn is not noop_context_fn
-        else torch.utils.checkpoint.noop_context_fn,
         determinism_check="none" if determinism_check == "none" else "default",
         debug=debug,
         early_stop=early_stop,
