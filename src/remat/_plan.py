@@ -178,7 +178,9 @@ def solve_milp(
     col = {k: j for j, k in enumerate(index)}
     n = len(index)
     c = np.array([blocks[i].cost[d] for i, d in index], dtype=float)
-    rows, lo, hi = [], [], []
+    rows: list[Any] = []
+    lo: list[float] = []
+    hi: list[float] = []
     for i, ds in enumerate(opts):  # one decision per block
         r = np.zeros(n)
         for d in ds:
