@@ -22,6 +22,7 @@ EXPECTED_ALL = [
     "get_device_states",
     "is_checkpointing",
     "is_recomputing",
+    "memory",
     "noop_context_fn",
     "offload",
     "policies",

@@ -7,7 +7,7 @@ Example:
     >>> remat.checkpoint(block, x).sum().backward()
 """
 
-from . import policies
+from . import memory, policies
 from ._checkpoint import checkpoint, noop_context_fn
 from ._config import (
     disable_checkpointing,
@@ -43,6 +43,7 @@ __all__ = [
     "get_device_states",
     "is_checkpointing",
     "is_recomputing",
+    "memory",
     "noop_context_fn",
     "offload",
     "policies",
