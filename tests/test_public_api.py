@@ -12,6 +12,7 @@ EXPECTED_ALL = [
     "OffloadStats",
     "PlanError",
     "RematError",
+    "Report",
     "SelectiveCheckpointContext",
     "check_backward_validity",
     "checkpoint",
@@ -29,6 +30,7 @@ EXPECTED_ALL = [
     "set_checkpoint_debug_enabled",
     "set_checkpoint_early_stop",
     "set_device_states",
+    "verify",
 ]
 
 

@@ -22,6 +22,7 @@ from ._reentrant import check_backward_validity, detach_variable
 from ._selective import SelectiveCheckpointContext, create_selective_checkpoint_contexts
 from ._sequential import checkpoint_sequential
 from ._state import DefaultDeviceType, get_device_states, set_device_states
+from ._verify import Report, verify
 from .policies import CheckpointPolicy
 
 __version__ = "0.1.0.dev0"
@@ -33,6 +34,7 @@ __all__ = [
     "OffloadStats",
     "PlanError",
     "RematError",
+    "Report",
     "SelectiveCheckpointContext",
     "check_backward_validity",
     "checkpoint",
@@ -50,4 +52,5 @@ __all__ = [
     "set_checkpoint_debug_enabled",
     "set_checkpoint_early_stop",
     "set_device_states",
+    "verify",
 ]

@@ -1,0 +1,192 @@
+"""``remat.verify``: does checkpointing change anything? One step with it, one without."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import memory
+from ._config import disable_checkpointing
+from ._tree import tensors_in
+
+
+@dataclasses.dataclass
+class Difference:
+    """One gradient, buffer or loss that differs between the two runs.
+
+    Attributes:
+        kind: ``"grad"``, ``"buffer"`` or ``"loss"``.
+        name: parameter or buffer name (``"loss"`` for the loss).
+        max_abs: largest absolute difference (``inf`` when one side is missing
+            or shapes differ).
+    """
+
+    kind: str
+    name: str
+    max_abs: float
+
+
+@dataclasses.dataclass
+class Report:
+    """What :func:`verify` found.
+
+    Attributes:
+        differences: everything that is not bitwise equal.
+        compared: how many gradients, buffers and losses were compared.
+        loss_checkpointed / loss_plain: the two losses.
+        peak_bytes_checkpointed / peak_bytes_plain: peak tensor bytes of each step
+            (see :mod:`remat.memory`).
+    """
+
+    differences: list[Difference]
+    compared: int
+    loss_checkpointed: float
+    loss_plain: float
+    peak_bytes_checkpointed: int
+    peak_bytes_plain: int
+
+    @property
+    def ok(self) -> bool:
+        """True when every gradient, buffer and the loss are bitwise equal."""
+        return not self.differences
+
+    def __str__(self) -> str:
+        head = (
+            f"remat.verify: {'OK' if self.ok else 'DIFFERENCES FOUND'} "
+            f"({self.compared} tensors compared)\n"
+            f"  loss        checkpointed {self.loss_checkpointed:.6g}   plain {self.loss_plain:.6g}\n"
+            f"  peak memory checkpointed {self.peak_bytes_checkpointed:,} B   "
+            f"plain {self.peak_bytes_plain:,} B"
+        )
+        if self.ok:
+            return head
+        w = max(len(d.name) for d in self.differences)
+        rows = [f"  {'kind':<7}{'name':<{w}}  max |diff|"]
+        rows += [f"  {d.kind:<7}{d.name:<{w}}  {d.max_abs:.3e}" for d in self.differences]
+        return head + "\n" + "\n".join(rows)
+
+
+def _default_loss(out: Any) -> torch.Tensor:
+    tensors: list[torch.Tensor] = []
+    tensors_in(out, tensors)
+    floats = [t for t in tensors if t.is_floating_point() and t.requires_grad]
+    if not floats:
+        raise ValueError(
+            "remat.verify: the model's output holds no floating tensor that requires grad; "
+            "pass loss_fn=... that turns the output into a scalar loss."
+        )
+    return sum((t.float().sum() for t in floats), torch.zeros((), device=floats[0].device))
+
+
+def _rng_state() -> tuple[Any, Any]:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng(state: tuple[Any, Any]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
+
+
+def _diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float | None:
+    """None when bitwise equal, else the max abs difference."""
+    if a is None and b is None:
+        return None
+    if a is None or b is None or a.shape != b.shape or a.dtype != b.dtype:
+        return float("inf")
+    if torch.equal(a, b):
+        return None
+    if not (a.is_floating_point() or a.is_complex()):
+        return float((a.double() - b.double()).abs().max())
+    return float((a - b).abs().max())
+
+
+def _step(
+    model: torch.nn.Module, args: Any, kwargs: Any, loss_fn: Callable[[Any], Any] | None
+) -> tuple[dict[str, Any], dict[str, torch.Tensor], float, int]:
+    for p in model.parameters():
+        p.grad = None
+    with memory.track() as t:
+        out = model(*args, **kwargs)
+        loss = loss_fn(out) if loss_fn is not None else _default_loss(out)
+        loss.backward()
+        del out
+    grads = {
+        n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()
+    }
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    return grads, buffers, float(loss.detach()), t.peak_bytes
+
+
+def verify(
+    model: torch.nn.Module,
+    *args: Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    **kwargs: Any,
+) -> Report:
+    """Run one step with the model's checkpointing and one without; report what differs.
+
+    Both steps start from the same RNG state (CPU and every CUDA device) and
+    the same buffers. Afterwards the model's gradients and buffers and the
+    RNG state are put back as they were, so ``verify`` leaves no trace.
+
+    Args:
+        model: a model whose blocks use :func:`remat.checkpoint`, wrappers or a plan.
+        *args: its inputs.
+        loss_fn: turns the output into a scalar loss; default: the sum of every
+            floating tensor in the output that requires grad.
+        **kwargs: keyword inputs of the model.
+
+    Returns:
+        A :class:`Report`; ``report.ok`` is True when everything is bitwise equal.
+
+    Example:
+        >>> import torch, remat
+        >>> lin = torch.nn.Linear(8, 8)
+        >>> class M(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.lin = lin
+        ...     def forward(self, x):
+        ...         return remat.checkpoint(self.lin, x).relu()
+        >>> remat.verify(M(), torch.randn(4, 8)).ok
+        True
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"remat.verify: model must be an nn.Module, got {type(model).__name__}.")
+    rng = _rng_state()
+    old_grads = {n: p.grad for n, p in model.named_parameters()}
+    old_buffers = {n: b.clone() for n, b in model.named_buffers()}
+    named_buffers = dict(model.named_buffers())
+    try:
+        _set_rng(rng)
+        g1, b1, l1, p1 = _step(model, args, kwargs, loss_fn)
+        with torch.no_grad():
+            for n, b in named_buffers.items():
+                b.copy_(old_buffers[n])
+        _set_rng(rng)
+        with disable_checkpointing():
+            g2, b2, l2, p2 = _step(model, args, kwargs, loss_fn)
+    finally:
+        _set_rng(rng)
+        for n, p in model.named_parameters():
+            p.grad = old_grads.get(n)
+        with torch.no_grad():
+            for n, b in named_buffers.items():
+                b.copy_(old_buffers[n])
+    diffs = []
+    for n in g1:
+        d = _diff(g1[n], g2.get(n))
+        if d is not None:
+            diffs.append(Difference("grad", n, d))
+    for n in b1:
+        d = _diff(b1[n], b2.get(n))
+        if d is not None:
+            diffs.append(Difference("buffer", n, d))
+    if l1 != l2:
+        diffs.append(Difference("loss", "loss", abs(l1 - l2)))
+    return Report(diffs, len(g1) + len(b1) + 1, l1, l2, p1, p2)
