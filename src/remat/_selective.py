@@ -22,9 +22,10 @@ times this operator already ran in the current run (forward or this
 recompute): a policy that wants "every second matmul" should use it instead of
 a counter of its own, which would drift between forward and recompute.
 
-Unlike torch, stored outputs are not consumed by the first recompute, so a
-second backward over the region (``retain_graph=True``) works; they are freed
-with the region's autograd graph.
+Stored outputs are dropped as the recompute hands them over when the backward
+running it does not retain the graph (so the peak is torch's); under
+``retain_graph=True`` they are kept, so that, unlike torch, a second backward
+over the region works.
 
 Inside ``torch.compile`` the contexts are torch's own (the compiler knows how
 to trace them); the offload policies then follow torch's compiled semantics.
@@ -160,6 +161,15 @@ def _fresh(t: torch.Tensor) -> torch.Tensor:
 
 
 _RECOMPUTE = object()
+_CONSUMED = object()
+_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+
+
+def _backward_keeps_graph() -> bool:
+    """Whether the backward running now retains its graph (True when unknown)."""
+    if _keep_graph is None or torch._C._current_graph_task_id() == -1:
+        return True
+    return bool(_keep_graph())
 
 
 def _rng_after(out: Any) -> tuple[Any, ...]:
@@ -253,9 +263,11 @@ class _ServeMode(TorchDispatchMode):
         self.store = store
         self.allow_mutation = allow_mutation
         self.counts: dict[Any, int] = {}
+        self.consume = False
 
     def __enter__(self) -> _ServeMode:
         self.counts = {}
+        self.consume = not _backward_keeps_graph()
         return super().__enter__()  # type: ignore[no-any-return]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -286,7 +298,15 @@ class _ServeMode(TorchDispatchMode):
                 )
         if entry is _RECOMPUTE:
             return func(*args, **kwargs)
+        if entry is _CONSUMED:
+            raise CheckpointError(
+                f"selective checkpointing: the saved output of {func} was already used by an "
+                "earlier backward that did not retain the graph. Pass retain_graph=True to the "
+                "first backward to run backward over this region twice."
+            )
         out = entry.get(func, self.allow_mutation)
+        if self.consume:
+            entries[i] = _CONSUMED
         if entry.rng is not None:
             _set_rng(entry.rng)
         return out

@@ -1,0 +1,1 @@
+"""The built-in benchmark behind ``remat bench``: models, strategies, runner."""

@@ -1,0 +1,189 @@
+"""Named checkpointing strategies for the benchmark.
+
+A strategy configures a freshly built benchmark model in place: most set its
+``run_block`` (how each block is called); wrapper strategies wrap the blocks.
+Adding one is a function and a line in :func:`registry`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as tuc
+from torch import nn
+
+from .._checkpoint import checkpoint
+from .._selective import create_selective_checkpoint_contexts
+from ..policies import matmul_ops, offload_matmuls, save_matmuls
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """A way to checkpoint a benchmark model's blocks.
+
+    Attributes:
+        name: what ``--strategies`` takes.
+        description: one line for the table's legend.
+        configure: ``configure(model, example_input)`` changes the model in place.
+        device_only: True when it only makes sense with a device (offload).
+    """
+
+    name: str
+    description: str
+    configure: Callable[[nn.Module, Any], None]
+    device_only: bool = False
+
+
+class _Runner:
+    """``run_block`` that checkpoints the blocks whose index ``select`` accepts."""
+
+    def __init__(self, call: Callable[..., torch.Tensor], every: int = 1) -> None:
+        self.call = call
+        self.every = every
+
+    def __call__(self, i: int, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if i % self.every == 0:
+            return self.call(block, x)
+        return block(x)  # type: ignore[no-any-return]
+
+
+def _set_runner(
+    call: Callable[..., torch.Tensor], every: int = 1
+) -> Callable[[nn.Module, Any], None]:
+    def configure(model: nn.Module, example: Any) -> None:
+        model.run_block = _Runner(call, every)  # type: ignore[assignment]
+
+    return configure
+
+
+def _remat_full(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return checkpoint(block, x)  # type: ignore[no-any-return]
+
+
+_SAVE = functools.partial(create_selective_checkpoint_contexts, save_matmuls())
+_OFFLOAD = functools.partial(create_selective_checkpoint_contexts, offload_matmuls())
+_TORCH_SAVE = functools.partial(
+    tuc.create_selective_checkpoint_contexts, sorted(matmul_ops(), key=str)
+)
+
+
+def _remat_selective(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return checkpoint(block, x, context_fn=_SAVE)  # type: ignore[no-any-return]
+
+
+def _remat_offload(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return checkpoint(block, x, context_fn=_OFFLOAD)  # type: ignore[no-any-return]
+
+
+def _torch_full(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return tuc.checkpoint(block, x, use_reentrant=False)  # type: ignore[no-any-return]
+
+
+def _torch_selective(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return tuc.checkpoint(block, x, use_reentrant=False, context_fn=_TORCH_SAVE)  # type: ignore[no-any-return]
+
+
+def _torch_wrapper(model: nn.Module, example: Any) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        checkpoint_wrapper,
+    )
+
+    blocks = _blocks(model)
+    for i in range(len(blocks)):
+        blocks[i] = checkpoint_wrapper(blocks[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+
+
+def _blocks(model: nn.Module) -> nn.ModuleList:
+    blocks = model.blocks
+    assert isinstance(blocks, nn.ModuleList)
+    return blocks
+
+
+def registry() -> dict[str, Strategy]:
+    """Every strategy this build of remat offers, by name."""
+    items = [
+        Strategy("none", "no checkpointing", lambda m, e: None),
+        Strategy("full", "remat.checkpoint on every block", _set_runner(_remat_full)),
+        Strategy("every-2nd", "remat.checkpoint on every 2nd block", _set_runner(_remat_full, 2)),
+        Strategy(
+            "selective",
+            "remat, save matmul outputs, recompute the rest",
+            _set_runner(_remat_selective),
+        ),
+        Strategy(
+            "offload",
+            "remat, matmul outputs kept in host memory, the rest recomputed",
+            _set_runner(_remat_offload),
+            device_only=True,
+        ),
+        Strategy("torch-full", "torch.utils.checkpoint on every block", _set_runner(_torch_full)),
+        Strategy(
+            "torch-selective",
+            "torch selective checkpointing, same op list",
+            _set_runner(_torch_selective),
+        ),
+        Strategy("torch-wrapper", "torch's checkpoint_wrapper on every block", _torch_wrapper),
+    ]
+    items += _extra_strategies()
+    return {s.name: s for s in items}
+
+
+def _extra_strategies() -> list[Strategy]:
+    """Strategies of optional parts (module wrapper, planner) when they are present."""
+    out: list[Strategy] = []
+    try:
+        from .._wrap import checkpoint_wrapper
+    except ImportError:
+        checkpoint_wrapper = None  # type: ignore[assignment]
+    if checkpoint_wrapper is not None:
+
+        def _wrapper(model: nn.Module, example: Any) -> None:
+            for block in _blocks(model):
+                checkpoint_wrapper(block)
+
+        def _wrapper2(model: nn.Module, example: Any) -> None:
+            for i, block in enumerate(_blocks(model)):
+                if i % 2 == 0:
+                    checkpoint_wrapper(block)
+
+        out.append(Strategy("wrapper", "remat.checkpoint_wrapper on every block", _wrapper))
+        out.append(
+            Strategy("wrapper-2nd", "remat.checkpoint_wrapper on every 2nd block", _wrapper2)
+        )
+    try:
+        from .._auto import auto_checkpoint
+    except ImportError:
+        auto_checkpoint = None  # type: ignore[assignment]
+    if auto_checkpoint is not None:
+        for pct in (30, 50, 70):
+            out.append(
+                Strategy(
+                    f"auto-{pct}%",
+                    f"remat.auto_checkpoint, budget {pct}% of the unchecked activation peak",
+                    functools.partial(_auto, pct=pct),
+                )
+            )
+    return out
+
+
+def _auto(model: nn.Module, example: Any, *, pct: int) -> None:
+    from .._auto import auto_checkpoint
+
+    auto_checkpoint(model, example, budget=f"{pct}%", quiet=True)
+
+
+DEFAULT = (
+    "none",
+    "full",
+    "every-2nd",
+    "selective",
+    "offload",
+    "torch-full",
+    "torch-selective",
+    "torch-wrapper",
+)

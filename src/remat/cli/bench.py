@@ -1,0 +1,214 @@
+"""``remat bench``: the memory/time trade-off of each strategy on a built-in model."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+
+from ..bench.models import MODELS, ModelConfig, build, estimate_step_bytes, param_bytes
+from ..bench.runner import environment, format_table, run
+from ..bench.strategies import DEFAULT, registry
+
+
+class UsageError(Exception):
+    """A mistake in the command line, reported without a traceback (exit code 2)."""
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="benchmark checkpointing strategies on a built-in model",
+        description=(
+            "Run every strategy on a built-in model and print peak memory, activation memory, "
+            "step time and their ratios to no checkpointing."
+        ),
+    )
+    p.add_argument(
+        "--model", default="gpt", help=f"built-in model: {', '.join(MODELS)} (default gpt)"
+    )
+    p.add_argument("--layers", type=int, default=None, help="number of blocks (default 6)")
+    p.add_argument("--d-model", type=int, default=None, help="width (default 384)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default 256)")
+    p.add_argument("--batch", type=int, default=None, help="batch size (default 4)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per strategy (default 5)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument(
+        "--strategies",
+        default=None,
+        help="comma-separated strategies (default: all that apply to the device); see --list",
+    )
+    p.add_argument("--list", action="store_true", help="list the strategies and exit")
+    p.add_argument("--quick", action="store_true", help="a small model and few steps (< 1 minute)")
+    p.add_argument("--json", metavar="FILE", default=None, help="also write the results as JSON")
+    p.add_argument(
+        "--plot", metavar="FILE.png", default=None, help="draw memory vs time (needs remat[plot])"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=main)
+
+
+def _config(args: argparse.Namespace) -> tuple[ModelConfig, int]:
+    if args.model not in MODELS:
+        raise UsageError(f"unknown model {args.model!r}; choose one of: {', '.join(MODELS)}.")
+    if args.quick:
+        cfg = ModelConfig(
+            model=args.model, layers=4, d_model=128, seq=64, batch=2, heads=4, vocab=256
+        )
+        steps = 3
+    else:
+        cfg = ModelConfig(model=args.model)
+        steps = 5
+    for field, value in (
+        ("layers", args.layers),
+        ("d_model", args.d_model),
+        ("seq", args.seq),
+        ("batch", args.batch),
+    ):
+        if value is not None:
+            if value < 1:
+                raise UsageError(f"--{field.replace('_', '-')} must be >= 1, got {value}.")
+            setattr(cfg, field, value)
+    if cfg.model == "gpt" and cfg.d_model % cfg.heads:
+        heads = next(h for h in (8, 6, 4, 2, 1) if cfg.d_model % h == 0)
+        cfg.heads = heads
+    if args.steps is not None:
+        if args.steps < 1:
+            raise UsageError(f"--steps must be >= 1, got {args.steps}.")
+        steps = args.steps
+    return cfg, steps
+
+
+def _device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"unknown device {name!r}; use cpu or cuda.") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(
+            "--device cuda was asked for, but this torch build sees no CUDA device "
+            f"(torch {torch.__version__}). Use --device cpu."
+        )
+    if dev.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {name}: only cpu and cuda are supported by the benchmark.")
+    return dev
+
+
+def _available_bytes(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _strategies(arg: str | None, device: torch.device) -> list[Any]:
+    reg = registry()
+    if arg is None:
+        names = [n for n in DEFAULT if n in reg]
+        names += [n for n in reg if n not in DEFAULT]
+        chosen = [reg[n] for n in names if not (reg[n].device_only and device.type == "cpu")]
+    else:
+        wanted = [n.strip() for n in arg.split(",") if n.strip()]
+        unknown = [n for n in wanted if n not in reg]
+        if unknown:
+            raise UsageError(
+                f"unknown strategy {', '.join(map(repr, unknown))}; choose from: {', '.join(reg)}."
+            )
+        cpu_only = [n for n in wanted if reg[n].device_only and device.type == "cpu"]
+        if cpu_only:
+            raise UsageError(
+                f"strategy {', '.join(cpu_only)} needs a device (on a CPU-only setup tensors already "
+                "live in host memory); drop it or use --device cuda."
+            )
+        chosen = [reg[n] for n in wanted]
+    if "none" not in [s.name for s in chosen]:
+        chosen.insert(0, reg["none"])  # the reference for the ratios
+    return chosen
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        return _main(args)
+    except UsageError as e:
+        print(f"remat bench: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(args: argparse.Namespace) -> int:
+    if args.list:
+        for s in registry().values():
+            extra = " (device only)" if s.device_only else ""
+            print(f"{s.name:<16}{s.description}{extra}")
+        return 0
+    cfg, steps = _config(args)
+    device = _device(args.device)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UsageError(f"--threads must be >= 1, got {args.threads}.")
+        torch.set_num_threads(args.threads)
+    strategies = _strategies(args.strategies, device)
+    need = estimate_step_bytes(cfg) * 2  # one model per strategy is alive: be generous
+    avail = _available_bytes(device)
+    if avail is not None and need > avail:
+        raise UsageError(
+            f"this size needs roughly {need / 2**30:.1f} GiB on {device} but about "
+            f"{avail / 2**30:.1f} GiB is free; use a smaller --batch, --seq, --d-model or --layers."
+        )
+    n_params = _count(cfg)
+    env = environment(device, cfg, n_params)
+    print(
+        f"remat bench: torch {env['torch']}, device {device}, threads {env['threads']}, "
+        f"model {cfg.model} ({cfg.layers} layers, d={cfg.d_model}, seq {cfg.seq}, batch {cfg.batch}, "
+        f"{n_params / 1e6:.1f}M parameters), {steps} timed steps"
+    )
+    units = len(strategies) * (3 + steps + 1)
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=units, desc="remat bench", file=sys.stderr, leave=False)
+    try:
+        rows = run(
+            cfg,
+            strategies,
+            device=device,
+            steps=steps,
+            progress=(lambda label: bar.update(1)) if bar is not None else None,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    print(format_table(rows))
+    print("\n" + "\n".join(f"  {s.name:<16}{s.description}" for s in strategies))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(
+                {"environment": env, "rows": [dataclasses.asdict(r) for r in rows]}, fh, indent=2
+            )
+    if args.plot:
+        from ..bench.plot import plot
+
+        try:
+            plot(rows, args.plot, title=f"remat bench: {cfg.model}, {device}")
+        except ImportError as e:
+            raise UsageError(str(e)) from None
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def _count(cfg: ModelConfig) -> int:
+    """Parameters of the model, counted on the meta device (no memory used)."""
+    with torch.device("meta"):
+        model = build(cfg, "meta")
+    return param_bytes(model) // 4
