@@ -14,9 +14,11 @@ EXPECTED_ALL = [
     "RematError",
     "Report",
     "SelectiveCheckpointContext",
+    "apply_activation_checkpointing",
     "check_backward_validity",
     "checkpoint",
     "checkpoint_sequential",
+    "checkpoint_wrapper",
     "create_selective_checkpoint_contexts",
     "detach_variable",
     "disable_checkpointing",
@@ -30,6 +32,7 @@ EXPECTED_ALL = [
     "set_checkpoint_debug_enabled",
     "set_checkpoint_early_stop",
     "set_device_states",
+    "unwrap",
     "verify",
 ]
 

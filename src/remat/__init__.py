@@ -23,6 +23,7 @@ from ._selective import SelectiveCheckpointContext, create_selective_checkpoint_
 from ._sequential import checkpoint_sequential
 from ._state import DefaultDeviceType, get_device_states, set_device_states
 from ._verify import Report, verify
+from ._wrap import apply_activation_checkpointing, checkpoint_wrapper, unwrap
 from .policies import CheckpointPolicy
 
 __version__ = "0.1.0.dev0"
@@ -36,9 +37,11 @@ __all__ = [
     "RematError",
     "Report",
     "SelectiveCheckpointContext",
+    "apply_activation_checkpointing",
     "check_backward_validity",
     "checkpoint",
     "checkpoint_sequential",
+    "checkpoint_wrapper",
     "create_selective_checkpoint_contexts",
     "detach_variable",
     "disable_checkpointing",
@@ -52,5 +55,6 @@ __all__ = [
     "set_checkpoint_debug_enabled",
     "set_checkpoint_early_stop",
     "set_device_states",
+    "unwrap",
     "verify",
 ]
