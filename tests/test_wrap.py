@@ -444,3 +444,18 @@ def test_policy_given_as_partial_still_selective():
     pol = functools.partial(lambda ctx, op, *a, **k: op == torch.ops.aten.addmm.default)
     remat.apply_activation_checkpointing(model, policy=pol)
     assert_same(train_steps(model, steps=1), train_steps(Net(n=2), steps=1))
+
+
+def test_reentrant_wrapper_supports_autograd_grad_and_frozen_inputs():
+    ref, m = KW(), KW()
+    m.load_state_dict(ref.state_dict())
+    remat.checkpoint_wrapper(m, use_reentrant=True)
+    x = torch.randn(3, 4)  # frozen input: parameters must still get gradients
+    (gr,) = torch.autograd.grad(ref(x)[0].sum(), [ref.lin.weight])
+    (gm,) = torch.autograd.grad(m(x)[0].sum(), [m.lin.weight])  # torch's reentrant raises here
+    assert torch.equal(gr, gm)
+
+
+def test_reentrant_wrapper_rejects_policy():
+    with pytest.raises(ValueError, match="use_reentrant=False"):
+        remat.checkpoint_wrapper(KW(), use_reentrant=True, policy=[torch.ops.aten.mm.default])

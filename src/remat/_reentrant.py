@@ -81,10 +81,18 @@ def check_backward_validity(inputs: Iterable[Any]) -> None:
 class _ReentrantCheckpoint(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, run_function: Callable[..., Any], preserve: bool, anchor: Any, *args: Any
+        ctx: Any,
+        run_function: Callable[..., Any],
+        preserve: bool,
+        anchor: Any,
+        n_params: int,
+        *args_and_params: Any,
     ) -> Any:
         ctx.run_function = run_function
         ctx.anchored = anchor is not None
+        ctx.n_params = n_params
+        args = args_and_params[: len(args_and_params) - n_params]
+        ctx.params = args_and_params[len(args) :]
         tensors = []
         ctx.tensor_indices = []
         ctx.inputs = []
@@ -102,7 +110,7 @@ class _ReentrantCheckpoint(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        if not torch.autograd._is_checkpoint_valid():
+        if not ctx.n_params and not torch.autograd._is_checkpoint_valid():
             raise RuntimeError(_BACKWARD_INPUTS_MSG)
         inputs = list(ctx.inputs)
         for idx, t in zip(ctx.tensor_indices, ctx.saved_tensors):
@@ -125,27 +133,54 @@ class _ReentrantCheckpoint(torch.autograd.Function):
             if isinstance(o, torch.Tensor) and o.requires_grad:
                 outs.append(o)
                 out_grads.append(g)
-        if outs:
-            torch.autograd.backward(outs, out_grads)
-        elif not ctx.anchored:
+        if not outs and not ctx.anchored and not ctx.n_params:
             raise RuntimeError(
                 "remat.checkpoint: none of the outputs of the checkpointed function requires "
                 "grad in recompute, so this checkpoint() is not necessary. Remove it, or "
                 "check that the function uses its inputs or parameters."
             )
+        if ctx.n_params:
+            # Known parameters: their gradients go out through the outer graph (so DDP and
+            # friends see each parameter used once), not into .grad by a nested backward.
+            wanted = [x for x in detached if isinstance(x, torch.Tensor) and x.requires_grad]
+            wanted += [p for p in ctx.params if p.requires_grad]
+            got = iter(
+                torch.autograd.grad(outs, wanted, out_grads, allow_unused=True)
+                if outs and wanted
+                else [None] * len(wanted)
+            )
+            input_grads = tuple(
+                next(got) if isinstance(x, torch.Tensor) and x.requires_grad else None
+                for x in detached
+            )
+            param_grads = tuple(next(got) if p.requires_grad else None for p in ctx.params)
+            return (None, None, None, None) + input_grads + param_grads
+        if outs:
+            torch.autograd.backward(outs, out_grads)
         input_grads = tuple(x.grad if isinstance(x, torch.Tensor) else None for x in detached)
-        return (None, None, None) + input_grads
+        return (None, None, None, None) + input_grads
 
 
 def run_reentrant(
-    fn: Callable[..., Any], args: tuple[Any, ...], *, preserve_rng_state: bool
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    *,
+    preserve_rng_state: bool,
+    params: tuple[torch.Tensor, ...] = (),
 ) -> Any:
-    """Run ``fn(*args)`` as a reentrant checkpointed region."""
+    """Run ``fn(*args)`` as a reentrant checkpointed region.
+
+    ``params``: the parameters ``fn`` uses, when known (module wrappers). They
+    become inputs of the region, their gradients leave backward through the
+    outer graph, and ``torch.autograd.grad`` / ``backward(inputs=...)`` work.
+    """
     anchor = None
-    if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+    if not params and not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
         anchor = torch.empty(0, requires_grad=True)
     c_tok = _config._checkpointing.set(_config._checkpointing.get() + 1)
     try:
-        return _ReentrantCheckpoint.apply(fn, preserve_rng_state, anchor, *args)
+        return _ReentrantCheckpoint.apply(
+            fn, preserve_rng_state, anchor, len(params), *args, *params
+        )
     finally:
         _config._checkpointing.reset(c_tok)

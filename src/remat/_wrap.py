@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import _disable_current_modes as _no_modes
 from . import _config
 from ._checkpoint import checkpoint
 from ._errors import CheckpointError
+from ._reentrant import run_reentrant
 
 _ATTR = "_remat_checkpoint"  # the config, kept on the module (picklable)
 
@@ -210,21 +211,34 @@ class _CheckpointedForward:
             from ._offload import offload
 
             with offload(min_bytes=0):
-                return checkpoint(
-                    fn,
-                    *call_args,
-                    use_reentrant=opts.use_reentrant,
-                    preserve_rng_state=opts.preserve_rng_state,
-                    **extra,
-                    **call_kwargs,
-                )
+                return self._run(module, opts, fn, call_args, call_kwargs, extra)
+        return self._run(module, opts, fn, call_args, call_kwargs, extra)
+
+    @staticmethod
+    def _run(
+        module: nn.Module,
+        opts: _Options,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        extra: dict[str, Any],
+    ) -> Any:
+        if opts.use_reentrant:
+            # The module's parameters are known: hand them to the reentrant region so their
+            # gradients flow through the outer graph (DDP sees each one once).
+            return run_reentrant(
+                fn,
+                args,
+                preserve_rng_state=opts.preserve_rng_state,
+                params=tuple(module.parameters()),
+            )
         return checkpoint(
             fn,
-            *call_args,
-            use_reentrant=opts.use_reentrant,
+            *args,
+            use_reentrant=False,
             preserve_rng_state=opts.preserve_rng_state,
             **extra,
-            **call_kwargs,
+            **kwargs,
         )
 
     def __reduce__(self) -> Any:
@@ -319,6 +333,11 @@ def checkpoint_wrapper(
         raise ValueError(
             "checkpoint_wrapper: pass either policy (selective checkpointing) or context_fn, not "
             "both; a policy is turned into a context_fn by remat."
+        )
+    if use_reentrant and (policy is not None or context_fn is not None):
+        raise ValueError(
+            "checkpoint_wrapper: policy and context_fn need use_reentrant=False (selective "
+            "checkpointing runs on the saved-tensor hooks of the non-reentrant variant)."
         )
     if policy is not None and not (callable(policy) or isinstance(policy, (list, tuple))):
         raise TypeError(
