@@ -87,3 +87,31 @@ def test_verify_without_a_differentiable_output_says_to_pass_loss_fn():
 
     with pytest.raises(ValueError, match="loss_fn"):
         remat.verify(NoGrad(), torch.randn(3))
+
+
+def test_verify_compares_and_restores_input_gradients():
+    x = torch.randn(8, 16, requires_grad=True)
+    x.grad = torch.full_like(x, 7.0)
+    before = x.grad
+    report = remat.verify(Blocks(drift=True), x)
+    assert "input[0]" in {d.name for d in report.differences}
+    assert x.grad is before and torch.equal(x.grad, torch.full_like(x, 7.0))
+    assert remat.verify(Blocks(), x).ok
+
+
+def test_verify_puts_back_a_buffer_the_forward_replaced():
+    class Replaces(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.register_buffer("steps", torch.zeros(()))
+
+        def forward(self, x):
+            self.steps = self.steps + 1  # a new tensor object each call
+            return remat.checkpoint(self.lin, x)
+
+    model = Replaces()
+    original = model.steps
+    report = remat.verify(model, torch.randn(2, 4))
+    assert report.ok, str(report)
+    assert model.steps is original and model.steps.item() == 0.0

@@ -82,7 +82,8 @@ def _default_loss(out: Any) -> torch.Tensor:
 
 
 def _rng_state() -> tuple[Any, Any]:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    # only a CUDA that is already in use: verify must not initialise CUDA itself
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     return torch.get_rng_state(), cuda
 
 
@@ -105,21 +106,42 @@ def _diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float | None:
     return float((a - b).abs().max())
 
 
+def _input_leaves(args: Any, kwargs: Any) -> dict[str, torch.Tensor]:
+    """Leaf tensors among the inputs that require grad: backward writes their ``.grad``."""
+    found: list[torch.Tensor] = []
+    tensors_in((args, kwargs), found)
+    return {f"input[{i}]": t for i, t in enumerate(found) if t.is_leaf and t.requires_grad}
+
+
 def _step(
-    model: torch.nn.Module, args: Any, kwargs: Any, loss_fn: Callable[[Any], Any] | None
+    model: torch.nn.Module,
+    args: Any,
+    kwargs: Any,
+    loss_fn: Callable[[Any], Any] | None,
+    inputs: dict[str, torch.Tensor],
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor], float, int]:
     for p in model.parameters():
         p.grad = None
+    for x in inputs.values():
+        x.grad = None
     with memory.track() as t:
         out = model(*args, **kwargs)
         loss = loss_fn(out) if loss_fn is not None else _default_loss(out)
         loss.backward()
         del out
-    grads = {
-        n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()
-    }
+    leaves = [*model.named_parameters(), *inputs.items()]
+    grads = {n: (p.grad.clone() if p.grad is not None else None) for n, p in leaves}
     buffers = {n: b.clone() for n, b in model.named_buffers()}
     return grads, buffers, float(loss.detach()), t.peak_bytes
+
+
+def _buffer_owners(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``(qualified buffer name, module holding it)`` for every buffer slot."""
+    return [
+        (f"{prefix}.{k}" if prefix else k, m)
+        for prefix, m in model.named_modules()
+        for k in m._buffers
+    ]
 
 
 def verify(
@@ -130,19 +152,34 @@ def verify(
 ) -> Report:
     """Run one step with the model's checkpointing and one without; report what differs.
 
-    Both steps start from the same RNG state (CPU and every CUDA device) and
-    the same buffers. Afterwards the model's gradients and buffers and the
-    RNG state are put back as they were, so ``verify`` leaves no trace.
+    Both steps start from the same RNG state (CPU, and every CUDA device when
+    CUDA is in use), the same buffer values and no gradients. Afterwards
+    ``verify`` leaves no trace: the ``.grad`` of every parameter and of every
+    leaf input that requires grad is the tensor it was before, each buffer is
+    the same tensor object with its old values (put back in its module if the
+    forward replaced it), and the RNG state is as it was. Parameters and the
+    training mode are not changed by a step and are left alone.
+
+    Compared, bitwise (``torch.equal``): the loss, every parameter's gradient,
+    the gradient of every leaf input that requires grad (named ``input[i]``,
+    numbered over the tensors in ``args`` then ``kwargs``), and every buffer
+    after the step (BatchNorm statistics, counters). Peak memory is measured
+    with :func:`remat.memory.track` around forward, loss and backward.
 
     Args:
         model: a model whose blocks use :func:`remat.checkpoint`, wrappers or a plan.
         *args: its inputs.
-        loss_fn: turns the output into a scalar loss; default: the sum of every
-            floating tensor in the output that requires grad.
+        loss_fn: turns the output into a scalar loss; default: the sum, in
+            float32, of the sums of every floating tensor in the output
+            (nested in tuples, lists, dicts, dataclasses) that requires grad.
         **kwargs: keyword inputs of the model.
 
     Returns:
         A :class:`Report`; ``report.ok`` is True when everything is bitwise equal.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: no ``loss_fn`` and no output tensor requires grad.
 
     Example:
         >>> import torch, remat
@@ -159,25 +196,32 @@ def verify(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"remat.verify: model must be an nn.Module, got {type(model).__name__}.")
     rng = _rng_state()
-    old_grads = {n: p.grad for n, p in model.named_parameters()}
-    old_buffers = {n: b.clone() for n, b in model.named_buffers()}
-    named_buffers = dict(model.named_buffers())
+    inputs = _input_leaves(args, kwargs)
+    old_grads = {n: p.grad for n, p in [*model.named_parameters(), *inputs.items()]}
+    owners = {n: (m, n.rpartition(".")[2]) for n, m in _buffer_owners(model)}
+    old_buffers = {n: m._buffers[k] for n, (m, k) in owners.items()}
+    old_values = {n: b.clone() for n, b in old_buffers.items() if b is not None}
+
+    def restore_buffers() -> None:
+        with torch.no_grad():
+            for n, (m, k) in owners.items():
+                m._buffers[k] = old_buffers[n]
+                buf = old_buffers[n]
+                if buf is not None:
+                    buf.copy_(old_values[n])
+
     try:
         _set_rng(rng)
-        g1, b1, l1, p1 = _step(model, args, kwargs, loss_fn)
-        with torch.no_grad():
-            for n, b in named_buffers.items():
-                b.copy_(old_buffers[n])
+        g1, b1, l1, p1 = _step(model, args, kwargs, loss_fn, inputs)
+        restore_buffers()
         _set_rng(rng)
         with disable_checkpointing():
-            g2, b2, l2, p2 = _step(model, args, kwargs, loss_fn)
+            g2, b2, l2, p2 = _step(model, args, kwargs, loss_fn, inputs)
     finally:
         _set_rng(rng)
-        for n, p in model.named_parameters():
-            p.grad = old_grads.get(n)
-        with torch.no_grad():
-            for n, b in named_buffers.items():
-                b.copy_(old_buffers[n])
+        for n, p in [*model.named_parameters(), *inputs.items()]:
+            p.grad = old_grads[n]
+        restore_buffers()
     diffs = []
     for n in g1:
         d = _diff(g1[n], g2.get(n))

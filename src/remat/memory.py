@@ -1,30 +1,49 @@
-"""Exact memory measurement: tensor storage bytes alive, on any device.
+"""Exact memory measurement: tensor storage bytes alive, per device, with the peak.
 
-:func:`track` counts the bytes of every tensor *storage* created inside the
-context and still alive, per device, with the peak, across forward and
-backward. How:
+:func:`track` counts the bytes of every tensor *storage* allocated inside the
+context and still alive, per device and in total, with the peak, across
+forward and backward. Design (each point checked by ``tests/test_memory.py``):
 
-* A ``TorchDispatchMode`` sees every ATen operator, including the ones the
-  autograd engine runs in backward (the mode is part of the thread-local
-  state the engine carries to its worker threads).
-* A storage is counted when it first appears as an operator's output and is
-  not one of that operator's inputs' storages (so views and in-place results
-  never count twice) and was not seen before as an input (tensors that
-  existed before the context are never counted).
-* Its bytes are subtracted when the storage dies: a ``weakref.finalize`` on
-  the storage's Python object, which PyTorch keeps for as long as the storage
-  lives. Frees can come from any thread, so counters are updated under a lock.
+* **Seeing allocations.** A ``TorchDispatchMode`` sees every ATen operator
+  below autograd, including those the autograd engine runs in backward
+  (gradient formulas, gradient accumulation, the ``ones_like`` seed of
+  ``loss.backward()``) and those of a checkpoint's recompute: the mode stack
+  is part of the thread-local state the engine carries to its device
+  threads. Factory functions (``torch.empty``, ``zeros``, ``randn``) are
+  operators too; ``torch.tensor(data)`` shows up as ``aten.lift_fresh`` of
+  the tensor it just built, which is counted (unless its memory is borrowed
+  from NumPy and not allocated by torch).
+* **New storages only.** An output's storage is counted when it is not yet
+  known and is not the storage of one of the operator's inputs: views,
+  in-place and ``out=`` results are never counted twice, and storages that
+  existed before the context (parameters, earlier activations) are never
+  counted, even when an operator returns a view of them.
+* **Frees.** A weak reference to the storage's Python object (which PyTorch
+  keeps alive exactly as long as the C++ storage) has a callback that only
+  appends to a ``deque``: safe from any thread and from inside garbage
+  collection. The pending frees are applied, under a lock, before every
+  allocation is recorded and whenever the counters are read, so the peak
+  is exact. Storages still alive when the context closes are subtracted
+  when they die later.
+* **Resizes.** When a counted storage grows or shrinks in place
+  (``resize_``, an ``out=`` argument that had the wrong size) the
+  difference is counted.
 
-What is not counted: scratch buffers that a kernel allocates and frees inside
-one operator (cuBLAS workspaces, SDPA's per-thread buffers), allocator
-rounding and fragmentation. Those are not tensor storages that outlive an
-operator. On the tests' Linear/ReLU chains the peak equals the peak of
-torch.profiler's raw allocator events exactly; on blocks whose kernels use
-scratch space the bytes alive between operators still match exactly.
+The hot path is one Python call per operator: a dict lookup per output, and
+the input storages are only collected when an output is not yet known.
 
-:func:`track_modules` adds a per-module breakdown (bytes alive after each
-module's forward, peak during it, bytes alive when its backward starts and
-the peak during its backward), which the planner uses.
+Not counted: scratch memory a kernel allocates and frees inside one operator
+(cuBLAS workspaces, CPU flash attention's buffers), allocator rounding and
+caching, memory of tensor storages that existed before the context even when
+resized inside it, and anything run in threads the context does not reach
+(a ``DataLoader`` worker). Between operators, the bytes alive match the
+allocator exactly: ``tests/test_memory.py`` compares them with the raw
+allocation events of ``torch.profiler`` on CPU and with
+``torch.cuda.max_memory_allocated`` on a GPU.
+
+:func:`track_modules` adds a per-module breakdown (bytes alive before and
+after each module's forward, the peak during it, the bytes alive when its
+backward starts and the peak during its backward), which the planner uses.
 
 Example:
     >>> import torch, remat
@@ -40,6 +59,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import threading
@@ -48,130 +68,245 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+from ._config import is_recomputing
+from ._tree import tensors_in
 
 __all__ = ["MemoryTracker", "ModuleMemory", "track", "track_modules"]
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_SPARSE_PARTS = {
+    torch.sparse_coo: ("_indices", "_values"),
+    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
+}
 
-class _Window:
-    """Peak of the bytes alive since the window was opened (for per-module stats)."""
 
-    __slots__ = ("peak",)
+class _StorageRef(weakref.ref):  # type: ignore[type-arg]
+    """Weak reference to a counted storage; remembers its key, bytes and device."""
+
+    __slots__ = ("device", "key", "nbytes")
+
+    key: int
+    nbytes: int
+    device: str
+
+
+class Window:
+    """Peak of the bytes alive since it was opened (see :meth:`MemoryTracker.open_window`)."""
+
+    __slots__ = ("peak", "start")
 
     def __init__(self, current: int) -> None:
+        self.start = current
         self.peak = current
 
 
 class MemoryTracker:
-    """Counts of tensor storage bytes alive, filled by :func:`track`.
+    """Tensor storage bytes alive, filled by :func:`track`.
+
+    Device keys are ``str(tensor.device)``: ``"cpu"``, ``"cuda:0"``, ...
 
     Attributes:
-        current_bytes: bytes alive now (all devices).
-        peak_bytes: the most bytes alive at once since the context opened.
-        current_bytes_by_device: ``{"cpu": ..., "cuda:0": ...}``.
+        peak_bytes: the most bytes alive at once (all devices together) since
+            the context opened or :meth:`reset_peak`.
         peak_bytes_by_device: the peak of each device on its own.
         allocations: number of storages counted.
     """
 
     def __init__(self) -> None:
-        self.current_bytes = 0
         self.peak_bytes = 0
-        self.current_bytes_by_device: dict[str, int] = {}
         self.peak_bytes_by_device: dict[str, int] = {}
         self.allocations = 0
+        self._current = 0
+        self._by_device: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._live: dict[int, int] = {}  # storage cdata -> nbytes
-        self._foreign: set[int] = set()
-        self._windows: list[_Window] = []
+        self._live: dict[int, _StorageRef] = {}
+        self._freed: collections.deque[_StorageRef] = collections.deque()
+        self._windows: list[Window] = []
 
-    # -- bookkeeping -----------------------------------------------------------------
-    def _alloc(self, key: int, nbytes: int, device: str) -> None:
+    @property
+    def current_bytes(self) -> int:
+        """Bytes alive now, all devices together."""
         with self._lock:
-            self._live[key] = nbytes
-            self.allocations += 1
-            cur = self.current_bytes + nbytes
-            self.current_bytes = cur
-            if cur > self.peak_bytes:
-                self.peak_bytes = cur
-            for w in self._windows:
-                if cur > w.peak:
-                    w.peak = cur
-            d = self.current_bytes_by_device.get(device, 0) + nbytes
-            self.current_bytes_by_device[device] = d
-            if d > self.peak_bytes_by_device.get(device, 0):
-                self.peak_bytes_by_device[device] = d
+            self._apply_frees()
+            return self._current
 
-    def _free(self, key: int, device: str) -> None:
+    @property
+    def current_bytes_by_device(self) -> dict[str, int]:
+        """Bytes alive now per device (a copy)."""
         with self._lock:
-            nbytes = self._live.pop(key, None)
-            if nbytes is None:
-                return
-            self.current_bytes -= nbytes
-            self.current_bytes_by_device[device] -= nbytes
+            self._apply_frees()
+            return dict(self._by_device)
 
-    def open_window(self) -> _Window:
-        """Start measuring a peak from the bytes alive now (see :meth:`close_window`)."""
-        w = _Window(self.current_bytes)
+    def reset_peak(self) -> None:
+        """Set the peaks (total and per device) to the bytes alive now.
+
+        Example:
+            >>> import torch, remat
+            >>> with remat.memory.track() as t:
+            ...     a = torch.empty(100)
+            ...     del a
+            ...     t.reset_peak()
+            ...     b = torch.empty(10)
+            >>> t.peak_bytes
+            40
+        """
         with self._lock:
+            self._apply_frees()
+            self.peak_bytes = self._current
+            self.peak_bytes_by_device = dict(self._by_device)
+
+    def open_window(self) -> Window:
+        """Start measuring a peak from the bytes alive now; end it with :meth:`close_window`."""
+        with self._lock:
+            self._apply_frees()
+            w = Window(self._current)
             self._windows.append(w)
         return w
 
-    def close_window(self, w: _Window) -> int:
-        """Stop measuring ``w``; return the peak bytes alive while it was open."""
+    def close_window(self, window: Window) -> int:
+        """Stop measuring ``window``; return the peak bytes alive while it was open."""
         with self._lock:
-            self._windows.remove(w)
-        return w.peak
+            if window in self._windows:
+                self._windows.remove(window)
+        return window.peak
 
     def __repr__(self) -> str:
         return (
             f"MemoryTracker(current_bytes={self.current_bytes}, peak_bytes={self.peak_bytes}, "
-            f"by_device={self.peak_bytes_by_device})"
+            f"peak_bytes_by_device={self.peak_bytes_by_device})"
         )
 
+    # -- called by the dispatch mode ------------------------------------------------
+    def _apply_frees(self) -> None:  # caller holds the lock
+        freed = self._freed
+        while freed:
+            ref = freed.popleft()
+            if self._live.get(ref.key) is ref:
+                del self._live[ref.key]
+                self._current -= ref.nbytes
+                self._by_device[ref.device] -= ref.nbytes
 
-def _storage_keys(args: Any, out: set[int]) -> None:
+    def _knows(self, key: int) -> _StorageRef | None:
+        ref = self._live.get(key)
+        return ref if ref is not None and ref() is not None else None
+
+    def _add(self, storage: torch.UntypedStorage, key: int, device: str) -> None:
+        ref = _StorageRef(storage, self._freed.append)
+        ref.key, ref.nbytes, ref.device = key, storage.nbytes(), device
+        with self._lock:
+            self._apply_frees()
+            self._live[key] = ref
+            self.allocations += 1
+            self._grow(ref.nbytes, device)
+
+    def _resize(self, ref: _StorageRef, nbytes: int) -> None:
+        with self._lock:
+            self._apply_frees()
+            if self._live.get(ref.key) is not ref:
+                return
+            delta, ref.nbytes = nbytes - ref.nbytes, nbytes
+            self._grow(delta, ref.device)
+
+    def _grow(self, nbytes: int, device: str) -> None:  # caller holds the lock
+        cur = self._current = self._current + nbytes
+        if cur > self.peak_bytes:
+            self.peak_bytes = cur
+        for w in self._windows:
+            if cur > w.peak:
+                w.peak = cur
+        d = self._by_device[device] = self._by_device.get(device, 0) + nbytes
+        if d > self.peak_bytes_by_device.get(device, 0):
+            self.peak_bytes_by_device[device] = d
+
+
+def _leaves(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold the memory of a sparse tensor or a tensor subclass."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return [x for n in names for x in _leaves(getattr(t, n))]
+    parts = _SPARSE_PARTS.get(t.layout)
+    if parts is not None:
+        with torch._C._DisableTorchDispatch():
+            return [getattr(t, p)() for p in parts]
+    if t.device.type == "meta" or t.layout is not torch.strided:
+        return []
+    return [t]
+
+
+def _input_keys(args: Any, keys: set[int]) -> None:
     for a in args:
-        if isinstance(a, torch.Tensor):
-            out.add(a.untyped_storage()._cdata)
+        if type(a) in _PLAIN and a.layout is torch.strided:
+            keys.add(a.untyped_storage()._cdata)
+        elif isinstance(a, torch.Tensor):
+            for leaf in _leaves(a):
+                keys.add(leaf.untyped_storage()._cdata)
         elif isinstance(a, (list, tuple)):
-            _storage_keys(a, out)
+            _input_keys(a, keys)
+        elif isinstance(a, torch.UntypedStorage):
+            keys.add(a._cdata)
+        elif isinstance(a, torch.TypedStorage):
+            keys.add(a._untyped_storage._cdata)
 
 
 class _TrackMode(TorchDispatchMode):
-    def __init__(self, trackers: list[MemoryTracker]) -> None:
+    """Feeds one :class:`MemoryTracker` with the outputs of every operator."""
+
+    def __init__(self, tracker: MemoryTracker) -> None:
         super().__init__()
-        self.trackers = trackers
+        self.tracker = tracker
+        self._lift_fresh = torch.ops.aten.lift_fresh.default
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        inputs: set[int] = set()
-        _storage_keys(args, inputs)
-        _storage_keys(kwargs.values(), inputs)
-        for t in self.trackers:
-            t._foreign.update(k for k in inputs if k not in t._live)
-        self._record(out, inputs)
+        if type(out) in _PLAIN and out.layout is torch.strided:
+            self._record((out,), func, args, kwargs)
+        elif isinstance(out, (tuple, list, torch.Tensor)):
+            flat: list[torch.Tensor] = []
+            _flatten(out, flat)
+            if flat:
+                self._record(flat, func, args, kwargs)
         return out
 
-    def _record(self, out: Any, inputs: set[int]) -> None:
-        if isinstance(out, torch.Tensor):
-            if out.device.type == "meta":
-                return
-            st = out.untyped_storage()
-            key = st._cdata
-            if key in inputs:
-                return
-            fresh = [t for t in self.trackers if key not in t._live and key not in t._foreign]
-            if not fresh:
-                return
-            nbytes = st.nbytes()
-            device = str(out.device)
-            for t in fresh:
-                t._alloc(key, nbytes, device)
-                weakref.finalize(st, t._free, key, device)
-        elif isinstance(out, (list, tuple)):
-            for o in out:
-                self._record(o, inputs)
+    def _record(self, outs: Any, func: Any, args: Any, kwargs: Any) -> None:
+        tracker = self.tracker
+        inputs: set[int] | None = None
+        for out in outs:
+            plain = type(out) in _PLAIN and out.layout is torch.strided
+            for t in (out,) if plain else _leaves(out):
+                if t.device.type == "meta":
+                    continue
+                st = t.untyped_storage()
+                key = st._cdata
+                ref = tracker._knows(key)
+                if ref is not None:
+                    if ref.nbytes != st.nbytes():
+                        tracker._resize(ref, st.nbytes())
+                    continue
+                if func is self._lift_fresh:  # torch.tensor(data): its new storage
+                    if not st.resizable():  # memory borrowed from NumPy: not torch's
+                        continue
+                else:
+                    if inputs is None:
+                        inputs = set()
+                        _input_keys(args, inputs)
+                        _input_keys(kwargs.values(), inputs)
+                    if key in inputs:
+                        continue
+                tracker._add(st, key, str(t.device))
+
+
+def _flatten(out: Any, flat: list[torch.Tensor]) -> None:
+    if isinstance(out, torch.Tensor):
+        flat.append(out)
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            _flatten(o, flat)
 
 
 @contextlib.contextmanager
@@ -181,74 +316,130 @@ def track() -> Iterator[MemoryTracker]:
     Trackers nest: an inner tracker counts what is allocated inside it, the
     outer one counts that too. Storages freed inside the context are
     subtracted; tensors that existed before it are never counted. Frees that
-    happen after the context closed are still subtracted.
+    happen after the context closed are still subtracted. Only operators run
+    in this thread (and the autograd engine's threads serving it) are seen.
 
     Yields:
-        A :class:`MemoryTracker`.
+        A :class:`MemoryTracker`: ``peak_bytes``, ``current_bytes``,
+        ``peak_bytes_by_device``, ``current_bytes_by_device``.
 
     Example:
         >>> import torch, remat
         >>> with remat.memory.track() as t:
         ...     a = torch.ones(1000)          # 4000 bytes
         ...     b = a.view(10, 100)           # a view: not counted again
-        ...     del a, b                      # freed: subtracted
+        ...     _ = a.mul_(2)                 # in place: not counted again
+        ...     del a, b, _                   # freed: subtracted
         ...     c = torch.zeros(250)          # 1000 bytes
-        >>> t.current_bytes, t.peak_bytes
-        (1000, 4000)
+        >>> t.current_bytes, t.peak_bytes, t.peak_bytes_by_device
+        (1000, 4000, {'cpu': 4000})
     """
     tracker = MemoryTracker()
-    mode = _TrackMode([tracker])
-    with mode:
+    with _TrackMode(tracker):
         yield tracker
 
 
 @dataclasses.dataclass
 class ModuleMemory:
-    """Per-module bytes, from :func:`track_modules` (latest call of each module).
+    """Per-module bytes from :func:`track_modules`.
+
+    All values are bytes alive as counted by the tracker (storages allocated
+    inside :func:`track_modules`). For a module called more than once, the
+    values are those of the last forward and of the last backward to finish.
 
     Attributes:
-        before_forward: bytes alive when the module's forward started.
-        after_forward: bytes alive when it returned.
+        calls: forward calls seen (recomputes of checkpointed code excluded).
+        before_forward: bytes alive when its forward started.
+        after_forward: bytes alive when its forward returned; the difference
+            to ``before_forward`` is what the module leaves behind (its
+            output and what autograd saved for its backward).
         forward_peak: peak bytes alive during its forward.
-        before_backward: bytes alive when its backward started (gradients of its outputs ready).
-        backward_peak: peak bytes alive during its backward.
+        before_backward: bytes alive when its backward started (the first
+            gradient of one of its outputs was ready); 0 when it had none.
+        backward_peak: peak bytes alive from then until the gradients of its
+            inputs (of its parameters, when no input requires grad) were computed.
+        input_bytes: bytes of the distinct storages of its tensor inputs.
+        param_bytes: bytes of its parameters and buffers (distinct storages).
     """
 
+    calls: int = 0
     before_forward: int = 0
     after_forward: int = 0
     forward_peak: int = 0
     before_backward: int = 0
     backward_peak: int = 0
+    input_bytes: int = 0
+    param_bytes: int = 0
+
+
+def _storage_bytes(tensors: Any) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        for leaf in _leaves(t):
+            st = leaf.untyped_storage()
+            seen[st._cdata] = st.nbytes()
+    return sum(seen.values())
+
+
+def _grad_tensors(obj: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    tensors_in(obj, found)
+    return [t for t in found if t.requires_grad]
+
+
+class _BackwardWatch:
+    """Opens a window when a module's backward starts and closes it when it ends."""
+
+    def __init__(self, tracker: MemoryTracker, stats: ModuleMemory) -> None:
+        self.tracker = tracker
+        self.stats = stats
+        self.window: Window | None = None
+
+    def start(self, grad: Any) -> None:
+        if self.window is None:
+            self.window = self.tracker.open_window()
+
+    def end(self, grads: Any) -> None:
+        if self.window is not None:
+            self.stats.before_backward = self.window.start
+            self.stats.backward_peak = self.tracker.close_window(self.window)
+            self.window = None
 
 
 class _ModuleHooks:
-    """Forward and backward hooks that read a tracker at module boundaries."""
+    """Forward pre/post hooks that read a tracker at a module's boundaries."""
 
-    def __init__(self, tracker: MemoryTracker, name: str, stats: ModuleMemory) -> None:
+    def __init__(self, tracker: MemoryTracker, stats: ModuleMemory) -> None:
         self.tracker = tracker
-        self.name = name
         self.stats = stats
-        self.fwd: _Window | None = None
-        self.bwd: _Window | None = None
+        self.stack: list[tuple[Window, list[torch.Tensor]]] = []
 
-    def forward_pre(self, module: Any, args: Any) -> None:
-        self.stats.before_forward = self.tracker.current_bytes
-        self.fwd = self.tracker.open_window()
+    def forward_pre(self, module: Any, args: Any, kwargs: Any) -> None:
+        if is_recomputing():
+            return
+        s = self.stats
+        s.calls += 1
+        found: list[torch.Tensor] = []
+        tensors_in((args, kwargs), found)
+        s.input_bytes = _storage_bytes(found)
+        s.param_bytes = _storage_bytes([*module.parameters(), *module.buffers()])
+        window = self.tracker.open_window()
+        s.before_forward = window.start
+        self.stack.append((window, [t for t in found if t.requires_grad]))
 
-    def forward_post(self, module: Any, args: Any, out: Any) -> None:
-        self.stats.after_forward = self.tracker.current_bytes
-        if self.fwd is not None:
-            self.stats.forward_peak = self.tracker.close_window(self.fwd)
-            self.fwd = None
-
-    def backward_pre(self, module: Any, grad_out: Any) -> None:
-        self.stats.before_backward = self.tracker.current_bytes
-        self.bwd = self.tracker.open_window()
-
-    def backward_post(self, module: Any, grad_in: Any, grad_out: Any) -> None:
-        if self.bwd is not None:
-            self.stats.backward_peak = self.tracker.close_window(self.bwd)
-            self.bwd = None
+    def forward_post(self, module: Any, args: Any, kwargs: Any, out: Any) -> None:
+        if is_recomputing() or not self.stack:
+            return
+        window, grad_inputs = self.stack.pop()
+        s = self.stats
+        s.forward_peak = self.tracker.close_window(window)
+        s.after_forward = self.tracker.current_bytes
+        outputs = _grad_tensors(out)
+        ends = grad_inputs or [p for p in module.parameters() if p.requires_grad]
+        if outputs and ends:
+            watch = _BackwardWatch(self.tracker, s)
+            torch.autograd.graph.register_multi_grad_hook(outputs, watch.start, mode="any")
+            torch.autograd.graph.register_multi_grad_hook(ends, watch.end, mode="all")
 
 
 @contextlib.contextmanager
@@ -257,8 +448,15 @@ def track_modules(
 ) -> Iterator[tuple[MemoryTracker, dict[str, ModuleMemory]]]:
     """:func:`track` plus a per-module breakdown at each module's boundaries.
 
+    Forward boundaries come from forward pre/post hooks; backward boundaries
+    from gradient hooks on the module's outputs (start) and on its inputs
+    (end; its parameters when no input requires grad). The autograd graph
+    is not changed, so in-place operations on a module's outputs keep
+    working. Forward hooks that fire during a checkpoint's recompute are
+    ignored.
+
     Args:
-        modules: a model (every named submodule is measured) or a dict
+        modules: a model (each of its named submodules is measured) or a dict
             ``name -> module`` of the modules to measure.
 
     Yields:
@@ -273,6 +471,8 @@ def track_modules(
         ...     model(x).sum().backward()
         >>> stats["0"].after_forward - stats["0"].before_forward   # the Linear's output
         128
+        >>> stats["0"].param_bytes                                  # weight and bias
+        288
     """
     if isinstance(modules, torch.nn.Module):
         named = {n: m for n, m in modules.named_modules() if n}
@@ -283,12 +483,10 @@ def track_modules(
         handles = []
         try:
             for name, mod in named.items():
-                h = _ModuleHooks(tracker, name, stats[name])
-                handles.append(mod.register_forward_pre_hook(h.forward_pre))
-                handles.append(mod.register_forward_hook(h.forward_post))
-                handles.append(mod.register_full_backward_pre_hook(h.backward_pre))
-                handles.append(mod.register_full_backward_hook(h.backward_post))
+                h = _ModuleHooks(tracker, stats[name])
+                handles.append(mod.register_forward_pre_hook(h.forward_pre, with_kwargs=True))
+                handles.append(mod.register_forward_hook(h.forward_post, with_kwargs=True))
             yield tracker, stats
         finally:
-            for h in handles:
-                h.remove()
+            for handle in handles:
+                handle.remove()
