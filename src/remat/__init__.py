@@ -8,6 +8,7 @@ Example:
 """
 
 from . import memory, policies
+from ._auto import auto_checkpoint, measure_peak
 from ._checkpoint import checkpoint, noop_context_fn
 from ._config import (
     disable_checkpointing,
@@ -18,6 +19,8 @@ from ._config import (
 )
 from ._errors import CheckpointError, PlanError, RematError
 from ._offload import OffloadStats, offload
+from ._plan import Plan, plan
+from ._profile import Profile, profile
 from ._reentrant import check_backward_validity, detach_variable
 from ._selective import SelectiveCheckpointContext, create_selective_checkpoint_contexts
 from ._sequential import checkpoint_sequential
@@ -33,11 +36,14 @@ __all__ = [
     "CheckpointPolicy",
     "DefaultDeviceType",
     "OffloadStats",
+    "Plan",
     "PlanError",
+    "Profile",
     "RematError",
     "Report",
     "SelectiveCheckpointContext",
     "apply_activation_checkpointing",
+    "auto_checkpoint",
     "check_backward_validity",
     "checkpoint",
     "checkpoint_sequential",
@@ -48,10 +54,13 @@ __all__ = [
     "get_device_states",
     "is_checkpointing",
     "is_recomputing",
+    "measure_peak",
     "memory",
     "noop_context_fn",
     "offload",
+    "plan",
     "policies",
+    "profile",
     "set_checkpoint_debug_enabled",
     "set_checkpoint_early_stop",
     "set_device_states",

@@ -329,3 +329,85 @@ def _fmt(n: int) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n} B"
+
+
+_SIMPLER = ("keep", "selective", "recompute", "offload")
+
+
+def _prefer_simple(
+    blocks: Sequence[BlockCosts], top: int, budget: int, decisions: list[str]
+) -> list[str]:
+    """Among equal-cost choices keep the simplest (keep, then selective, ...) that still fits."""
+    out = list(decisions)
+    for i, b in enumerate(blocks):
+        for d in _SIMPLER:
+            if d == out[i]:
+                break
+            if d in b.cost and d in b.retained and b.cost[d] <= b.cost[out[i]]:
+                trial = [*out[:i], d, *out[i + 1 :]]
+                if predicted_peak(blocks, top, trial) <= budget:
+                    out = trial
+                    break
+    return out
+
+
+def plan(profile: Any, budget: int | float | str, *, solver: str = "auto") -> Plan:
+    """Choose one decision per block: least predicted added time with predicted peak <= budget.
+
+    Args:
+        profile: a :class:`~remat.Profile` from :func:`remat.profile`.
+        budget: bytes of activation memory (an int, or ``"18GiB"``), or a
+            percentage of the profile's unchecked activation peak (``"60%"``).
+        solver: ``"milp"`` (HiGHS via scipy, the ``remat[plan]`` extra),
+            ``"dp"`` (exact dynamic program, no dependency) or ``"auto"``
+            (milp when scipy is installed, else dp). Both are exact.
+
+    Returns:
+        A :class:`Plan`.
+
+    Raises:
+        PlanError: when no plan reaches the budget; the message gives the
+            smallest reachable peak.
+
+    Example:
+        >>> import torch, remat
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
+        >>> prof = remat.profile(model, torch.randn(8, 16), timer="flops")
+        >>> p = remat.plan(prof, "100%")
+        >>> set(p.decisions.values())
+        {'keep'}
+    """
+    blocks = profile.blocks
+    allowed = list(profile.decisions)
+    budget_bytes = parse_budget(budget, profile.unchecked_peak_bytes)
+    if solver not in ("auto", "milp", "dp"):
+        raise ValueError(f"remat.plan: solver must be 'auto', 'milp' or 'dp', got {solver!r}.")
+    if solver == "auto":
+        try:
+            import scipy.optimize  # noqa: F401
+
+            solver = "milp"
+        except ImportError:
+            solver = "dp"
+    solve = solve_milp if solver == "milp" else solve_dp
+    decisions = solve(blocks, profile.top, budget_bytes, allowed)
+    if decisions is None:
+        lo = smallest_peak(blocks, profile.top, allowed)
+        raise PlanError(
+            f"remat.plan: no plan keeps the predicted peak within {_fmt(budget_bytes)}; the smallest "
+            f"reachable peak is {_fmt(lo)} ({lo} bytes, "
+            f"{100 * lo / max(profile.unchecked_peak_bytes, 1):.0f}% of the unchecked "
+            f"{_fmt(profile.unchecked_peak_bytes)}). Raise the budget, use a smaller batch, or "
+            "profile finer-grained blocks (check_fn=...)."
+        )
+    decisions = _prefer_simple(blocks, profile.top, budget_bytes, decisions)
+    return Plan(
+        decisions={b.name: d for b, d in zip(blocks, decisions)},
+        predicted_peak_bytes=predicted_peak(blocks, profile.top, decisions),
+        predicted_overhead_s=predicted_cost(blocks, decisions),
+        unchecked_peak_bytes=profile.unchecked_peak_bytes,
+        budget_bytes=budget_bytes,
+        saved_bytes={b.name: b.retained["keep"] - b.retained[d] for b, d in zip(blocks, decisions)},
+        added_cost={b.name: float(b.cost[d]) for b, d in zip(blocks, decisions)},
+        cost_unit=profile.cost_unit,
+    )

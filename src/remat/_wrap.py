@@ -53,6 +53,7 @@ class _Options:
     preserve_rng_state: bool = True
     use_reentrant: bool = False
     context_fn: Any = None
+    offload_only: bool = False  # the planner's "offload" decision: no recompute
 
 
 def _fingerprint(obj: Any, depth: int = 0) -> Any:
@@ -191,6 +192,11 @@ class _CheckpointedForward:
             )
         if not torch.is_grad_enabled() or _config._disabled.get():
             return forward(*args, **kwargs)
+        if opts.offload_only:
+            from ._offload import offload
+
+            with offload():
+                return forward(*args, **kwargs)
         region = _Region(module, forward, args, kwargs)
         context_fn = opts.context_fn
         if opts.policy is not None:
@@ -264,7 +270,7 @@ class _ExtraRepr:
             return ""
         base = type(module).extra_repr(module)
         opts: _Options = getattr(module, _ATTR)
-        tags = ["checkpointed"]
+        tags = ["offloaded"] if opts.offload_only else ["checkpointed"]
         if opts.policy is not None:
             tags.append("selective")
         if opts.offload_to_cpu:

@@ -172,9 +172,21 @@ def _extra_strategies() -> list[Strategy]:
 
 
 def _auto(model: nn.Module, example: Any, *, pct: int) -> None:
+    """Plan for ``pct``% of the unchecked activation peak; if no plan reaches it (a tiny
+    model), use the plan with the smallest reachable peak (the table shows the ratio)."""
     from .._auto import auto_checkpoint
+    from .._errors import PlanError
 
-    auto_checkpoint(model, example, budget=f"{pct}%", quiet=True)
+    try:
+        auto_checkpoint(model, example, budget=f"{pct}%", quiet=True)
+    except PlanError:
+        from .._plan import smallest_peak
+        from .._profile import profile
+
+        prof = profile(model, example)
+        auto_checkpoint(
+            model, example, budget=smallest_peak(prof.blocks, prof.top, prof.decisions), quiet=True
+        )
 
 
 DEFAULT = (

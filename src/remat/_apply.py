@@ -1,0 +1,65 @@
+"""Putting planner decisions on modules: keep, recompute, selective, offload."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ._errors import PlanError
+from ._plan import DECISIONS
+from ._wrap import _ATTR, _CheckpointedForward, _ExtraRepr, _Options, checkpoint_wrapper, unwrap
+from .policies import save_matmuls
+
+_KEYS = ("forward", "extra_repr", _ATTR)
+
+
+def apply_decision(module: nn.Module, decision: str) -> None:
+    """Make ``module`` run as ``decision`` says (in place)."""
+    if decision not in DECISIONS:
+        raise PlanError(f"unknown decision {decision!r}; expected one of {list(DECISIONS)}.")
+    unwrap(module)
+    if decision == "recompute":
+        checkpoint_wrapper(module)
+    elif decision == "selective":
+        checkpoint_wrapper(module, policy=save_matmuls())
+    elif decision == "offload":
+        inner = module.__dict__.get("forward")
+        object.__setattr__(module, _ATTR, _Options(offload_only=True))
+        module.__dict__["forward"] = _CheckpointedForward(module, inner)
+        module.__dict__["extra_repr"] = _ExtraRepr(module)
+
+
+def snapshot_state(blocks: dict[str, nn.Module]) -> dict[str, dict[str, Any]]:
+    """The wrapping state of each block, for :func:`restore_state`."""
+    return {n: {k: m.__dict__[k] for k in _KEYS if k in m.__dict__} for n, m in blocks.items()}
+
+
+def restore_state(blocks: dict[str, nn.Module], state: dict[str, dict[str, Any]]) -> None:
+    """Put the blocks' wrapping back as :func:`snapshot_state` found it."""
+    for n, m in blocks.items():
+        for k in _KEYS:
+            m.__dict__.pop(k, None)
+        m.__dict__.update(state[n])
+
+
+def apply_plan(plan: Any, model: nn.Module) -> nn.Module:
+    """Apply every decision of ``plan`` to the named submodules of ``model``."""
+    missing = [n for n in plan.decisions if _find(model, n) is None]
+    if missing:
+        raise PlanError(
+            f"Plan.apply: the model has no submodule named {', '.join(missing)}; the plan was made "
+            "for another model (plan and model must come from the same architecture)."
+        )
+    for name, decision in plan.decisions.items():
+        module = _find(model, name)
+        assert module is not None
+        apply_decision(module, decision)
+    return model
+
+
+def _find(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None

@@ -1,0 +1,209 @@
+"""The planner against real measurements: predicted peak == measured peak, optimal plans, API."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import remat
+from remat._apply import apply_decision
+from remat._plan import brute_force, predicted_cost, predicted_peak, solve_dp, solve_milp
+from remat.bench.models import ModelConfig, build, example_input
+
+CFG = ModelConfig(layers=4, d_model=64, seq=32, batch=2, heads=2, vocab=128)
+DECS = ("keep", "recompute", "selective")
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    model = build(CFG)
+    x = example_input(CFG)
+    prof = remat.profile(model, x, timer="flops")
+    return model, x, prof
+
+
+def test_predicted_peak_equals_measured_for_all_81_plans(gpt):
+    model, x, prof = gpt
+    mismatches = []
+    for ds in itertools.product(DECS, repeat=4):
+        for block, d in zip(model.blocks, ds):
+            apply_decision(block, d)
+        measured = remat.measure_peak(model, x)
+        predicted = predicted_peak(prof.blocks, prof.top, ds)
+        if predicted != measured:
+            mismatches.append((ds, predicted, measured))
+    for block in model.blocks:
+        apply_decision(block, "keep")
+    assert mismatches == []
+
+
+@pytest.mark.parametrize("fraction", [0.35, 0.5, 0.7, 0.9])
+def test_chosen_plan_fits_measured_and_is_cheapest_under_the_model(gpt, fraction):
+    model, x, prof = gpt
+    budget = int(prof.unchecked_peak_bytes * fraction)
+    try:
+        p = remat.plan(prof, budget)
+    except remat.PlanError:
+        assert brute_force(prof.blocks, prof.top, budget, DECS) is None
+        return
+    ds = [p.decisions[b.name] for b in prof.blocks]
+    best = brute_force(prof.blocks, prof.top, budget, DECS)
+    assert predicted_cost(prof.blocks, ds) == predicted_cost(prof.blocks, best)
+    p.apply(model)
+    assert remat.measure_peak(model, x) <= budget
+    assert p.predicted_peak_bytes <= budget
+
+
+def test_flops_profile_is_deterministic(gpt):
+    model, x, prof = gpt
+    again = remat.profile(model, x, timer="flops")
+    assert again.to_json() == prof.to_json()
+    assert prof.cost_unit == "flop"
+    assert all(b.cost["recompute"] > 0 for b in prof.blocks)
+
+
+def test_milp_and_dp_agree_on_a_real_profile(gpt):
+    _, _, prof = gpt
+    for fraction in (0.4, 0.6, 0.8):
+        budget = int(prof.unchecked_peak_bytes * fraction)
+        a = solve_dp(prof.blocks, prof.top, budget, DECS)
+        b = solve_milp(prof.blocks, prof.top, budget, DECS)
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert predicted_cost(prof.blocks, a) == pytest.approx(predicted_cost(prof.blocks, b))
+
+
+def test_profile_and_plan_json_round_trip(gpt, tmp_path):
+    _, _, prof = gpt
+    path = tmp_path / "profile.json"
+    prof.save(str(path))
+    assert remat.Profile.load(str(path)) == prof
+    json.loads(path.read_text())  # plain JSON
+    p = remat.plan(prof, "80%")
+    assert remat.Plan.from_json(p.to_json()) == p
+
+
+def test_infeasible_budget_error_gives_smallest_reachable_peak(gpt):
+    _, _, prof = gpt
+    with pytest.raises(remat.PlanError, match="smallest reachable peak is"):
+        remat.plan(prof, 1000)
+
+
+def test_profile_records_what_it_is_valid_for(gpt):
+    _, x, prof = gpt
+    assert prof.input_shapes == [list(x.shape)]
+    assert prof.device == "cpu" and prof.torch_version == torch.__version__
+    assert [b.name for b in prof.blocks] == [f"blocks.{i}" for i in range(4)]
+    assert prof.decisions == list(DECS)
+
+
+def test_profile_leaves_the_model_as_it_was():
+    model = build(CFG)
+    remat.checkpoint_wrapper(model.blocks[1])
+    before = repr(model)
+    remat.profile(model, example_input(CFG), timer="flops")
+    assert repr(model) == before
+
+
+def test_plan_table_and_apply_to_wrong_model():
+    model = build(CFG)
+    p = remat.plan(remat.profile(model, example_input(CFG), timer="flops"), "60%")
+    text = str(p)
+    assert "blocks.0" in text and "predicted peak" in text
+    other = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(remat.PlanError, match="no submodule named"):
+        p.apply(other)
+
+
+def test_auto_checkpoint_meets_the_budget_and_keeps_gradients():
+    model = build(CFG)
+    x = example_input(CFG)
+    ref = build(CFG)
+    torch.manual_seed(0)
+    ref(x).backward()
+    unchecked = remat.measure_peak(model, x)
+    p = remat.auto_checkpoint(model, x, budget="50%", timer="flops")
+    assert remat.measure_peak(model, x) <= unchecked // 2
+    assert p.budget_bytes == unchecked // 2
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    model(x).backward()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"timer": "wall"}, ValueError, "timer must be"),
+        ({"repeats": 0}, ValueError, "repeats must be"),
+        ({"decisions": ["recompute"]}, ValueError, "must include 'keep'"),
+        ({"decisions": ["keep", "offload"]}, ValueError, "needs a device"),
+        ({"check_fn": lambda n, m: False}, ValueError, "no candidate blocks"),
+    ],
+)
+def test_profile_rejects_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        remat.profile(build(CFG), example_input(CFG), **kwargs)
+
+
+def test_remat_plan_cli_prints_plan_and_writes_json(tmp_path):
+    (tmp_path / "mymodel.py").write_text(
+        textwrap.dedent(
+            """
+            from remat.bench.models import ModelConfig, build, example_input
+
+            def make():
+                cfg = ModelConfig(layers=3, d_model=32, seq=16, batch=2, heads=2, vocab=64)
+                return build(cfg), (example_input(cfg),)
+            """
+        )
+    )
+    out = tmp_path / "plan.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "remat",
+            "plan",
+            "mymodel:make",
+            "--budget",
+            "60%",
+            "--timer",
+            "flops",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "blocks.0" in proc.stdout and "predicted peak" in proc.stdout
+    plan = remat.Plan.from_json(out.read_text())
+    assert set(plan.decisions) == {"blocks.0", "blocks.1", "blocks.2"}
+
+
+@pytest.mark.parametrize(
+    "target, match",
+    [
+        ("nomodule:make", "cannot import module 'nomodule'"),
+        ("remat:nothing", "has no attribute 'nothing'"),
+        ("justaname", "MODULE:FACTORY"),
+    ],
+)
+def test_remat_plan_cli_errors(target, match):
+    proc = subprocess.run(
+        [sys.executable, "-m", "remat", "plan", target, "--budget", "60%"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and match in proc.stderr and "Traceback" not in proc.stderr
