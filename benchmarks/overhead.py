@@ -56,6 +56,43 @@ def cases() -> dict[str, Callable[[Callable[..., torch.Tensor], torch.Tensor], t
     }
 
 
+class _Sin(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sin()
+
+
+def module_cases() -> dict[str, torch.nn.Module]:
+    """A tiny module: plain, under torch's checkpoint_wrapper, under remat's."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        checkpoint_wrapper,
+    )
+
+    return {
+        "plain": _Sin(),
+        "torch checkpoint_wrapper": checkpoint_wrapper(
+            _Sin(), checkpoint_impl=CheckpointImpl.NO_REENTRANT
+        ),
+        "remat checkpoint_wrapper": remat.checkpoint_wrapper(_Sin()),
+    }
+
+
+def measure_modules(rounds: int, calls: int) -> dict[str, float]:
+    x = torch.randn(16, requires_grad=True)
+    mods = module_cases()
+    samples: dict[str, list[float]] = {k: [] for k in mods}
+    for _ in range(3):
+        for m in mods.values():
+            m(x).sum().backward()
+    for _ in range(rounds):
+        for k, m in mods.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                m(x).sum().backward()
+            samples[k].append((time.perf_counter() - t0) / calls)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
 def measure(rounds: int, calls: int) -> dict[str, dict[str, float]]:
     x = torch.randn(16, requires_grad=True)
     ops = {"sin": _sin, "x*2": _double, "mm+sin": _mm_sin}
@@ -110,6 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     print("environment:", env)
     res = measure(args.rounds, args.calls)
     print(report(res))
+    mods = measure_modules(args.rounds, args.calls)
+    floor = mods["plain"]
+    print(f"\n## module wrapper around sin (plain module {floor * 1e6:.1f} us)")
+    for k, t in mods.items():
+        print(f"{k:<28}{t * 1e6:>10.1f}us{(t - floor) * 1e6:>10.1f}us")
+    ours = mods["remat checkpoint_wrapper"] - floor
+    theirs = mods["torch checkpoint_wrapper"] - floor
+    print(f"overhead ratio remat/torch (wrapper): {ours / theirs:.2f}")
+    res["module wrapper"] = mods
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"environment": env, "seconds_per_call": res}, fh, indent=2)

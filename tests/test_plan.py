@@ -207,3 +207,13 @@ def test_remat_plan_cli_errors(target, match):
         timeout=60,
     )
     assert proc.returncode == 2 and match in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_time_profile_has_positive_costs_and_step_cost():
+    model = build(CFG)
+    prof = remat.profile(model, example_input(CFG), repeats=1)
+    assert prof.cost_unit == "s" and prof.step_cost > 0
+    assert all(b.cost["keep"] == 0.0 and b.cost["recompute"] >= 0.0 for b in prof.blocks)
+    assert all(
+        b.retained["recompute"] < b.retained["selective"] < b.retained["keep"] for b in prof.blocks
+    )

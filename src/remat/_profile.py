@@ -49,6 +49,8 @@ class Profile:
         input_shapes: shapes of the tensor inputs the profile is valid for.
         device: where it was measured.
         torch_version: the torch it was measured with.
+        step_cost: cost of one whole step with every block kept, in ``cost_unit``
+            (so that ``1 + plan.predicted_overhead_s / step_cost`` is a predicted time ratio).
     """
 
     blocks: list[BlockCosts]
@@ -59,6 +61,7 @@ class Profile:
     input_shapes: list[list[int]]
     device: str
     torch_version: str
+    step_cost: float = 0.0
 
     def to_json(self) -> str:
         """Plain JSON."""
@@ -243,14 +246,20 @@ def profile(
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
 
+    step_costs: list[float] = []
+
     def step() -> None:
+        start = time.thread_time() if device.type == "cpu" else time.perf_counter()
         torch.set_rng_state(rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
         _loss(model(*args, **kwargs), loss_fn).backward()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        end = time.thread_time() if device.type == "cpu" else time.perf_counter()
+        step_costs.append(end - start)
 
+    keep_step = 0.0
     mem: dict[str, dict[str, memory.ModuleMemory]] = {}
     times: dict[str, dict[str, float]] = {}
     top = unchecked = 0
@@ -282,10 +291,14 @@ def profile(
                 top, unchecked = top_watch.peak, tracker.peak_bytes
             if timer_hooks is not None and clock is not None:
                 # the tracked step is the first sample; untracked steps add the rest
+                tracked = step_costs[-1] if step_costs else 0.0
+                step_costs.clear()
                 times[d] = _time_blocks(
                     blocks, step, device, repeats - 1, clock, timer_hooks.totals()
                 )
                 model.zero_grad(set_to_none=False)
+                if d == "keep":
+                    keep_step = min(step_costs, default=tracked)
         if timer == "flops":
             times = _flop_costs(model, blocks, args, kwargs, loss_fn, decisions)
     finally:
@@ -327,6 +340,7 @@ def profile(
         input_shapes=[list(t.shape) for t in shapes],
         device=str(device),
         torch_version=torch.__version__,
+        step_cost=keep_step if timer == "time" else 3.0 * sum(b.cost["recompute"] for b in costs),
     )
 
 

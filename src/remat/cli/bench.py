@@ -199,8 +199,11 @@ def _main(args: argparse.Namespace) -> int:
     if args.plot:
         from ..bench.plot import plot
 
+        frontier = None
+        if any(r.strategy.startswith("auto-") for r in rows):
+            frontier = _frontier(cfg, device, rows)
         try:
-            plot(rows, args.plot, title=f"remat bench: {cfg.model}, {device}")
+            plot(rows, args.plot, title=f"remat bench: {cfg.model}, {device}", frontier=frontier)
         except ImportError as e:
             raise UsageError(str(e)) from None
         print(f"plot written to {args.plot}")
@@ -212,3 +215,27 @@ def _count(cfg: ModelConfig) -> int:
     with torch.device("meta"):
         model = build(cfg, "meta")
     return param_bytes(model) // 4
+
+
+def _frontier(cfg: ModelConfig, device: torch.device, rows: Any) -> tuple[list[float], list[float]]:
+    # time ratios use the profile's own clock: its keep step and its per-block costs
+    """The planner's predicted (time ratio, activation ratio) for budgets from its floor to 100%."""
+    from .._errors import PlanError
+    from .._plan import plan, smallest_peak
+    from .._profile import profile
+    from ..bench.models import example_input
+
+    model = build(cfg, device)
+    prof = profile(model, example_input(cfg, device))
+    lo = smallest_peak(prof.blocks, prof.top, prof.decisions)
+    xs: list[float] = []
+    ys: list[float] = []
+    for k in range(21):
+        budget = lo + (prof.unchecked_peak_bytes - lo) * k // 20
+        try:
+            p = plan(prof, budget)
+        except PlanError:
+            continue
+        xs.append(1.0 + p.predicted_overhead_s / prof.step_cost)
+        ys.append(p.predicted_peak_bytes / prof.unchecked_peak_bytes)
+    return xs, ys
