@@ -14,10 +14,7 @@ import torch
 from ..bench.models import MODELS, ModelConfig, build, estimate_step_bytes, param_bytes
 from ..bench.runner import environment, format_table, run
 from ..bench.strategies import DEFAULT, registry
-
-
-class UsageError(Exception):
-    """A mistake in the command line, reported without a traceback (exit code 2)."""
+from ._usage import UsageError
 
 
 def add_parser(sub: Any) -> None:

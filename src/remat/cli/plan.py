@@ -13,10 +13,7 @@ import torch
 from .._errors import PlanError
 from .._plan import plan
 from .._profile import profile
-
-
-class UsageError(Exception):
-    """A mistake in the command line (exit code 2, no traceback)."""
+from ._usage import UsageError
 
 
 def add_parser(sub: Any) -> None:

@@ -1,0 +1,102 @@
+"""How good are the planner's plans? Brute force every per-block plan of a small GPT.
+
+For each budget (a fraction of the unchecked activation peak), every plan of
+keep / recompute / selective per block is measured (peak with remat.memory,
+step time as the median of interleaved steps); the planner's plan is compared
+with the fastest plan that fits. Also reports profile + solve time.
+
+Run: python benchmarks/planner_quality.py [--layers 4] [--steps 5] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+import remat
+from remat._apply import apply_decision
+from remat.bench.models import ModelConfig, build, example_input
+
+DECS = ("keep", "recompute", "selective")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--budgets", default="0.3,0.5,0.7")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    cfg = ModelConfig(layers=args.layers, d_model=args.d_model, seq=args.seq, batch=4, heads=4)
+    env = {"torch": torch.__version__, "python": sys.version.split()[0],
+           "platform": platform.platform(), "threads": torch.get_num_threads(), "model": vars(cfg)}
+    print("environment:", env)
+    model = build(cfg)
+    x = example_input(cfg)
+    t0 = time.perf_counter()
+    prof = remat.profile(model, x)
+    t_profile = time.perf_counter() - t0
+    plans = list(itertools.product(DECS, repeat=cfg.layers))
+    peaks, times = {}, {ds: [] for ds in plans}
+    for ds in plans:
+        for b, d in zip(model.blocks, ds):
+            apply_decision(b, d)
+        peaks[ds] = remat.measure_peak(model, x)
+    for _ in range(args.steps + 1):  # interleaved; the first round is warm-up
+        for ds in plans:
+            for b, d in zip(model.blocks, ds):
+                apply_decision(b, d)
+            model.zero_grad(set_to_none=False)
+            t = time.perf_counter()
+            model(x).backward()
+            times[ds].append(time.perf_counter() - t)
+    med = {ds: statistics.median(v[1:]) for ds, v in times.items()}
+    keep = med[("keep",) * cfg.layers]
+    spread = {ds: statistics.pstdev(v[1:]) for ds, v in times.items()}
+    results = []
+    print(f"profile time {t_profile:.2f} s; unchecked peak {prof.unchecked_peak_bytes / 2**20:.1f} MiB")
+    for frac in (float(f) for f in args.budgets.split(",")):
+        budget = int(prof.unchecked_peak_bytes * frac)
+        t0 = time.perf_counter()
+        try:
+            p = remat.plan(prof, budget)
+        except remat.PlanError as e:
+            print(f"budget {frac:.0%}: {e}")
+            continue
+        t_solve = time.perf_counter() - t0
+        ours = tuple(p.decisions[f"blocks.{i}"] for i in range(cfg.layers))
+        fits = [ds for ds in plans if peaks[ds] <= budget]
+        best = min(fits, key=lambda ds: med[ds])
+        row = {
+            "budget": frac,
+            "plan": ours,
+            "plan_peak_ratio": peaks[ours] / prof.unchecked_peak_bytes,
+            "plan_time_ratio": med[ours] / keep,
+            "best": best,
+            "best_time_ratio": med[best] / keep,
+            "noise_ratio": spread[best] / keep,
+            "solve_s": t_solve,
+        }
+        results.append(row)
+        print(
+            f"budget {frac:.0%}: plan {ours} peak x{row['plan_peak_ratio']:.2f} time "
+            f"x{row['plan_time_ratio']:.3f} | best of {len(fits)} fitting plans {best} time "
+            f"x{row['best_time_ratio']:.3f} (+-{row['noise_ratio']:.3f}) | solve {t_solve * 1e3:.0f} ms"
+        )
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"environment": env, "profile_s": t_profile, "rows": results}, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
