@@ -35,15 +35,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--budgets", default="0.3,0.5,0.7")
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--profile-threads", default="1", help="threads for profiling: a number, or 'current'"
+    )
     args = ap.parse_args(argv)
     cfg = ModelConfig(layers=args.layers, d_model=args.d_model, seq=args.seq, batch=4, heads=4)
-    env = {"torch": torch.__version__, "python": sys.version.split()[0],
-           "platform": platform.platform(), "threads": torch.get_num_threads(), "model": vars(cfg)}
+    env = {
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "threads": torch.get_num_threads(),
+        "model": vars(cfg),
+    }
     print("environment:", env)
     model = build(cfg)
     x = example_input(cfg)
     t0 = time.perf_counter()
-    prof = remat.profile(model, x)
+    threads = None if args.profile_threads == "current" else int(args.profile_threads)
+    prof = remat.profile(model, x, threads=threads)
     t_profile = time.perf_counter() - t0
     plans = list(itertools.product(DECS, repeat=cfg.layers))
     peaks, times = {}, {ds: [] for ds in plans}
@@ -63,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     keep = med[("keep",) * cfg.layers]
     spread = {ds: statistics.pstdev(v[1:]) for ds, v in times.items()}
     results = []
-    print(f"profile time {t_profile:.2f} s; unchecked peak {prof.unchecked_peak_bytes / 2**20:.1f} MiB")
+    print(
+        f"profile time {t_profile:.2f} s; unchecked peak {prof.unchecked_peak_bytes / 2**20:.1f} MiB"
+    )
     for frac in (float(f) for f in args.budgets.split(",")):
         budget = int(prof.unchecked_peak_bytes * frac)
         t0 = time.perf_counter()

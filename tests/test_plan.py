@@ -217,3 +217,8 @@ def test_time_profile_has_positive_costs_and_step_cost():
     assert all(
         b.retained["recompute"] < b.retained["selective"] < b.retained["keep"] for b in prof.blocks
     )
+
+
+def test_profile_at_current_threads_uses_wall_time():
+    prof = remat.profile(build(CFG), example_input(CFG), repeats=1, threads=None)
+    assert prof.step_cost > 0 and all(b.cost["recompute"] >= 0 for b in prof.blocks)

@@ -162,12 +162,12 @@ class _Timer:
 
 
 @contextlib.contextmanager
-def _one_thread(device: torch.device) -> Iterator[None]:
-    if device.type != "cpu":
+def _threads(device: torch.device, threads: int | None) -> Iterator[None]:
+    if device.type != "cpu" or threads is None:
         yield
         return
     n = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     try:
         yield
     finally:
@@ -190,6 +190,7 @@ def profile(
     decisions: Sequence[str] | None = None,
     timer: str = "time",
     repeats: int = 2,
+    threads: int | None = 1,
     **kwargs: Any,
 ) -> Profile:
     """Measure memory and time of each candidate block under each decision.
@@ -209,6 +210,10 @@ def profile(
         timer: ``"time"`` (seconds) or ``"flops"`` (recomputed FLOPs, deterministic).
         repeats: timed steps per decision, the first one also measures memory
             (the minimum time is kept).
+        threads: CPU only: ``1`` (default) times with one thread and thread CPU
+            time, the steadiest numbers; another number sets torch's threads and
+            ``None`` keeps them, both with wall time, closer to a multi-threaded
+            training run.
         **kwargs: keyword inputs of the model.
 
     Example:
@@ -249,14 +254,14 @@ def profile(
     step_costs: list[float] = []
 
     def step() -> None:
-        start = time.thread_time() if device.type == "cpu" else time.perf_counter()
+        start = time.thread_time() if device.type == "cpu" and threads == 1 else time.perf_counter()
         torch.set_rng_state(rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
         _loss(model(*args, **kwargs), loss_fn).backward()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        end = time.thread_time() if device.type == "cpu" else time.perf_counter()
+        end = time.thread_time() if device.type == "cpu" and threads == 1 else time.perf_counter()
         step_costs.append(end - start)
 
     keep_step = 0.0
@@ -266,7 +271,7 @@ def profile(
     try:
         step()  # warm-up: gradients exist from here on and are reused (zeroed in place)
         model.zero_grad(set_to_none=False)
-        clock = _clock(device) if timer == "time" else None
+        clock = _clock(device, threads) if timer == "time" else None
         for d in decisions:
             for m in blocks.values():
                 apply_decision(m, d)
@@ -278,7 +283,7 @@ def profile(
                 for n, m in blocks.items():
                     timer_hooks.attach(n, m)
             try:
-                with _one_thread(device), memory.track_modules(blocks) as (tracker, stats):
+                with _threads(device, threads), memory.track_modules(blocks) as (tracker, stats):
                     top_watch.tracker = tracker
                     step()
             finally:
@@ -294,7 +299,7 @@ def profile(
                 tracked = step_costs[-1] if step_costs else 0.0
                 step_costs.clear()
                 times[d] = _time_blocks(
-                    blocks, step, device, repeats - 1, clock, timer_hooks.totals()
+                    blocks, step, device, repeats - 1, clock, timer_hooks.totals(), threads
                 )
                 model.zero_grad(set_to_none=False)
                 if d == "keep":
@@ -368,14 +373,14 @@ class _TopWatch:
             self.window = None
 
 
-def _clock(device: torch.device) -> Callable[[], float]:
-    if device.type == "cuda":
+def _clock(device: torch.device, threads: int | None) -> Callable[[], float]:
+    if device.type == "cuda" or threads != 1:
 
         def clock() -> float:
             torch.cuda.synchronize(device)
             return time.perf_counter()
 
-        return clock
+        return clock if device.type == "cuda" else time.perf_counter
     return time.thread_time
 
 
@@ -386,6 +391,7 @@ def _time_blocks(
     repeats: int,
     clock: Callable[[], float],
     first: dict[str, float],
+    threads: int | None,
 ) -> dict[str, float]:
     """Minimum over ``first`` and ``repeats`` more steps of each block's forward+backward time."""
     best = dict(first)
@@ -393,7 +399,7 @@ def _time_blocks(
     for n, m in blocks.items():
         timer.attach(n, m)
     try:
-        with _one_thread(device):
+        with _threads(device, threads):
             for _ in range(repeats):
                 timer.fwd.clear()
                 timer.bwd.clear()
