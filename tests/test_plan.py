@@ -222,3 +222,27 @@ def test_time_profile_has_positive_costs_and_step_cost():
 def test_profile_at_current_threads_uses_wall_time():
     prof = remat.profile(build(CFG), example_input(CFG), repeats=1, threads=None)
     assert prof.step_cost > 0 and all(b.cost["recompute"] >= 0 for b in prof.blocks)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_offload_decision_on_cuda_fits_budget_and_keeps_grads():
+    cfg = ModelConfig(layers=4, d_model=256, seq=128, batch=4, heads=4, vocab=256)
+    model = build(cfg, "cuda")
+    x = example_input(cfg, "cuda")
+    prof = remat.profile(model, x)
+    assert "offload" in prof.decisions
+    assert all(b.retained["offload"] < b.retained["keep"] for b in prof.blocks)
+    p = remat.plan(prof, "50%")
+    p.apply(model)
+    assert remat.measure_peak(model, x) <= p.budget_bytes
+    for block in model.blocks:
+        apply_decision(block, "offload")
+    ref = build(cfg, "cuda")
+    torch.manual_seed(0)
+    ref(x).backward()
+    torch.manual_seed(0)
+    model.zero_grad(set_to_none=True)
+    model(x).backward()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(a.grad, b.grad)

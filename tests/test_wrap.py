@@ -459,3 +459,30 @@ def test_reentrant_wrapper_supports_autograd_grad_and_frozen_inputs():
 def test_reentrant_wrapper_rejects_policy():
     with pytest.raises(ValueError, match="use_reentrant=False"):
         remat.checkpoint_wrapper(KW(), use_reentrant=True, policy=[torch.ops.aten.mm.default])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_offload_to_cpu_moves_region_inputs_off_the_device():
+    d = 1024
+    block = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, d)).cuda()
+    x = torch.randn(2048, d, device="cuda", requires_grad=True)
+    h = x * 1.0  # a device activation: the region's input
+    ref = block(h).sum()
+    ref.backward(retain_graph=True)
+    ref_grad = x.grad.clone()
+    x.grad = None
+    remat.checkpoint_wrapper(block)
+    y1 = block(h * 1.0)
+    torch.cuda.synchronize()
+    kept_plain = torch.cuda.memory_allocated()
+    del y1
+    remat.unwrap(block)
+    remat.checkpoint_wrapper(block, offload_to_cpu=True)
+    h2 = h * 1.0
+    y2 = block(h2)
+    del h2  # only the offloaded copy keeps the region's input now
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= kept_plain - 2048 * d * 4 + 4096
+    y2.sum().backward()
+    assert torch.allclose(x.grad, ref_grad)

@@ -87,14 +87,14 @@ def _torch_selective(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return tuc.checkpoint(block, x, use_reentrant=False, context_fn=_TORCH_SAVE)  # type: ignore[no-any-return]
 
 
-def _torch_wrapper(model: nn.Module, example: Any) -> None:
+def _torch_wrapper(model: nn.Module, example: Any, every: int = 1) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl,
         checkpoint_wrapper,
     )
 
     blocks = _blocks(model)
-    for i in range(len(blocks)):
+    for i in range(0, len(blocks), every):
         blocks[i] = checkpoint_wrapper(blocks[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
 
 
@@ -128,6 +128,11 @@ def registry() -> dict[str, Strategy]:
             _set_runner(_torch_selective),
         ),
         Strategy("torch-wrapper", "torch's checkpoint_wrapper on every block", _torch_wrapper),
+        Strategy(
+            "torch-wrapper-2nd",
+            "torch's checkpoint_wrapper on every 2nd block",
+            functools.partial(_torch_wrapper, every=2),
+        ),
     ]
     items += _extra_strategies()
     return {s.name: s for s in items}
