@@ -25,6 +25,7 @@ and its RNG is replayed only if an argument lives on it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -153,15 +154,11 @@ def set_device_states(
             mod.set_rng_state(state)
 
 
-_AUTOCAST_TYPES: tuple[str, ...] | None = None
-
-
+@functools.cache
 def _autocast_types() -> tuple[str, ...]:
-    global _AUTOCAST_TYPES  # a cache of a fact about the torch build, not a setting
-    if _AUTOCAST_TYPES is None:
-        names = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla", "ipu", "privateuseone")
-        _AUTOCAST_TYPES = tuple(n for n in names if torch.amp.is_autocast_available(n))
-    return _AUTOCAST_TYPES
+    """Device types with autocast in this torch build (a fact of the build, cached)."""
+    names = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla", "ipu", "privateuseone")
+    return tuple(n for n in names if torch.amp.is_autocast_available(n))
 
 
 def _autocast_snapshot() -> tuple[tuple[str, bool, torch.dtype], ...]:
