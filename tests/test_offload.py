@@ -187,3 +187,67 @@ def test_offload_policy_on_cuda_gives_bitwise_grads():
     )
     remat.checkpoint(f, x, context_fn=ctx_fn).sum().backward()
     assert torch.equal(x.grad, ref)
+
+
+def test_offload_policy_regions_share_one_stash_per_thread():
+    from remat._offload import shared_stash
+
+    stores = []
+    orig = remat._selective._Store.__init__
+
+    def spy(self):
+        orig(self)
+        stores.append(self)
+
+    remat._selective._Store.__init__ = spy
+    try:
+        ctx_fn = functools.partial(
+            remat.create_selective_checkpoint_contexts, remat.policies.offload_matmuls()
+        )
+        lin = torch.nn.Linear(8, 8)
+        x = torch.randn(4, 8, requires_grad=True)
+        h = remat.checkpoint(lambda t: lin(t).tanh(), x, context_fn=ctx_fn)
+        h = remat.checkpoint(lambda t: lin(t).tanh(), h, context_fn=ctx_fn)
+        h.sum().backward()
+    finally:
+        remat._selective._Store.__init__ = orig
+    assert len(stores) == 2
+    assert stores[0].stash is stores[1].stash is shared_stash()
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_backward_prefetches_the_previous_regions_offloaded_outputs():
+    from remat._offload import HostStash
+
+    tickets, events = [], []
+    orig_put, orig_get, orig_back = HostStash.put, HostStash.get, HostStash._bring_back
+
+    def put(self, t):
+        tk = orig_put(self, t)
+        tickets.append(tk)
+        return tk
+
+    def get(self, tk):
+        events.append(("get", tickets.index(tk)))
+        return orig_get(self, tk)
+
+    def back(self, tk):
+        events.append(("back", tickets.index(tk)))
+        return orig_back(self, tk)
+
+    ctx_fn = functools.partial(
+        remat.create_selective_checkpoint_contexts, remat.policies.offload_matmuls()
+    )
+    lin = torch.nn.Linear(256, 256, device="cuda")
+    x = torch.randn(512, 256, device="cuda", requires_grad=True)
+    HostStash.put, HostStash.get, HostStash._bring_back = put, get, back
+    try:
+        h = remat.checkpoint(lambda t: lin(t).tanh(), x, context_fn=ctx_fn)
+        h = remat.checkpoint(lambda t: lin(t).tanh(), h, context_fn=ctx_fn)
+        h.sum().backward()
+    finally:
+        HostStash.put, HostStash.get, HostStash._bring_back = orig_put, orig_get, orig_back
+    # region 2's recompute fetches its output and prefetches region 1's, which is then ready
+    assert events[:3] == [("get", 1), ("back", 1), ("back", 0)]
+    assert events.count(("back", 0)) == 1

@@ -22,7 +22,10 @@ On a device (CUDA or any backend with streams and events)
   before the earlier copy back has read it.
 * Prefetch: when backward asks for one tensor, the tensors stashed just
   before it (which backward needs next) are brought back on the side stream
-  at once, overlapping the copies with compute.
+  at once, overlapping the copies with compute. The offload policies share one
+  stash per thread (:func:`shared_stash`), so this crosses region boundaries:
+  recomputing one region prefetches the offloaded outputs of the region
+  before it.
 
 On CPU-only setups the tensor already lives in host memory: it is kept as it
 is (no copy) and never recomputed.
@@ -34,6 +37,7 @@ import contextlib
 import dataclasses
 import weakref
 from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -139,6 +143,8 @@ class HostStash:
         tk.host = host
         tk.out_done = (done, buf)
         self.order.append(weakref.ref(tk))
+        if len(self.order) % 1024 == 0:  # forget tickets that are gone
+            self.order = [r for r in self.order if r() is not None]
         return tk
 
     def _bring_back(self, tk: _Ticket) -> None:
@@ -189,6 +195,23 @@ class HostStash:
                     if other is not None and other.back is None and other.host is not None:
                         self._bring_back(other)
                 break
+
+
+_thread_stash: ContextVar[HostStash | None] = ContextVar("remat_offload_stash", default=None)
+
+
+def shared_stash() -> HostStash:
+    """The host stash of the offload policies in this thread (or task).
+
+    One stash serves every checkpointed region, so backward prefetches the
+    tensors of the region it will reach next, and pinned buffers are reused
+    across regions and steps.
+    """
+    stash = _thread_stash.get()
+    if stash is None:
+        stash = HostStash(pin_memory=torch.cuda.is_available())
+        _thread_stash.set(stash)
+    return stash
 
 
 def is_parameter_like(t: torch.Tensor) -> bool:

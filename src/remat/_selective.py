@@ -42,7 +42,7 @@ import torch.utils.checkpoint as _tuc
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._errors import CheckpointError
-from ._offload import HostStash
+from ._offload import HostStash, shared_stash
 from .policies import CheckpointPolicy, OpPolicy
 
 _SAVE = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
@@ -240,7 +240,7 @@ class _SaveMode(TorchDispatchMode):
             entry: Any = _Saved(out)
         else:
             if self.store.stash is None:
-                self.store.stash = HostStash(pin_memory=torch.cuda.is_available())
+                self.store.stash = shared_stash()
             entry = _Offloaded(out, self.store.stash)
         if _SEEDED in func.tags:
             entry.rng = _rng_after(out)
