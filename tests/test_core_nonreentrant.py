@@ -522,3 +522,23 @@ def test_unpacking_twice_in_one_backward_raises_clear_error():
     y = remat.checkpoint(lambda t: Twice.apply(t.sin()), x)
     with pytest.raises(remat.CheckpointError, match="unpacked twice"):
         y.sum().backward()
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_default_device_context_is_replayed_in_recompute(use_reentrant):
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+
+    seen = []
+
+    def f(x):
+        modes = _get_current_function_mode_stack()
+        seen.append([m.device for m in modes if isinstance(m, DeviceContext)])
+        return x.sin() * torch.ones(3)
+
+    x = torch.randn(3, requires_grad=True)
+    with torch.device("cpu"):
+        y = remat.checkpoint(f, x, use_reentrant=use_reentrant)
+    y.sum().backward()  # outside the `with`: recompute must see the forward's device
+    assert seen == [[torch.device("cpu")], [torch.device("cpu")]]
+    assert not any(isinstance(m, DeviceContext) for m in _get_current_function_mode_stack())

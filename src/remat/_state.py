@@ -8,7 +8,10 @@ the second run to compute the same values it must see the same
   ``torch.get_device_module``, not only CUDA);
 * autocast state of every device type (enabled, dtype, cache);
 * grad mode (recompute always runs with grad enabled: checkpointing only
-  happens when the forward ran with grad enabled).
+  happens when the forward ran with grad enabled);
+* the default device set with ``with torch.device(...)`` (the innermost
+  ``DeviceContext`` mode), so factory calls inside create tensors on the same
+  device in recompute.
 
 :class:`ForwardState` records these at forward time. Its :meth:`enter` puts
 them in place for the recompute and returns a token; :meth:`exit` restores the
@@ -167,10 +170,28 @@ def _autocast_snapshot() -> tuple[tuple[str, bool, torch.dtype], ...]:
     )
 
 
+def _innermost_device_context() -> Any:
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+
+    for mode in reversed(_get_current_function_mode_stack()):
+        if isinstance(mode, DeviceContext):
+            return mode
+    return None
+
+
 class ForwardState:
     """RNG and autocast state recorded when a checkpointed forward starts."""
 
-    __slots__ = ("autocast", "cache", "cpu_rng", "device_type", "devices", "device_rngs")
+    __slots__ = (
+        "autocast",
+        "cache",
+        "cpu_rng",
+        "device_type",
+        "devices",
+        "device_rngs",
+        "device_ctx",
+    )
 
     def __init__(self, tensors: list[torch.Tensor], preserve_rng_state: bool) -> None:
         # Autocast: record nothing when it is off everywhere (the common case).
@@ -179,6 +200,9 @@ class ForwardState:
         else:
             self.autocast = None
         self.cache = torch.is_autocast_cache_enabled()
+        self.device_ctx: Any = None
+        if torch._C._is_torch_function_mode_enabled():  # cheap test first: rarely true
+            self.device_ctx = _innermost_device_context()
         self.cpu_rng: torch.Tensor | None = None
         self.device_type = "cpu"
         self.devices: list[int] = []
@@ -213,9 +237,15 @@ class ForwardState:
                         saved_dev.append(mod.get_rng_state())
                         mod.set_rng_state(state)
         stack = None
-        if self.autocast is not None or torch._C._is_any_autocast_enabled():
+        if (
+            self.autocast is not None
+            or self.device_ctx is not None
+            or torch._C._is_any_autocast_enabled()
+        ):
             stack = contextlib.ExitStack()
             try:
+                if self.device_ctx is not None:
+                    stack.enter_context(self.device_ctx)
                 fwd = self.autocast or tuple(
                     (t, False, torch.get_autocast_dtype(t)) for t in _autocast_types()
                 )
