@@ -75,10 +75,6 @@ class _StopRecompute(Exception):
         self.frame = frame
 
 
-def _meta(x: torch.Tensor) -> tuple[Any, ...]:
-    return (x.shape, x.dtype, x.device)
-
-
 def _checksum(x: torch.Tensor) -> torch.Tensor:
     # Outside any dispatch mode: selective checkpointing must not see these ops.
     with torch.no_grad(), _no_modes():
