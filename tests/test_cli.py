@@ -9,6 +9,8 @@ import sys
 import pytest
 import torch
 
+from remat.cli import main
+
 TINY = ["--quick", "--steps", "1", "--no-progress"]
 
 
@@ -41,9 +43,11 @@ def test_bench_json_has_environment_and_rows(bench_json):
         "activation_ratio",
         "time_ratio",
         "max_grad_diff",
+        "step_times_s",
     }
     for row in data["rows"]:
         assert fields <= set(row)
+        assert len(row["step_times_s"]) == 1  # --steps 1: every timed step is kept
     names = [r["strategy"] for r in data["rows"]]
     assert names[0] == "none"
     assert {
@@ -85,45 +89,55 @@ def test_bench_remat_selective_keeps_no_more_than_torch_selective(bench_json):
 def test_bench_prints_header_and_table(bench_json):
     out = bench_json[1]
     assert "remat bench: torch" in out and "strategy" in out and "torch-wrapper" in out
+    assert "skipped on cpu: offload (needs a device" in out  # device-only, said, not silent
 
 
+# Error cases run in-process (``main(argv)`` is what the console script calls): each
+# fails before any benchmark work, so a subprocess would only add torch's import time.
 @pytest.mark.parametrize(
     "args, message",
     [
+        # a typo in a strategy: the valid names are listed
         (["--strategies", "full,bogus"], "unknown strategy 'bogus'; choose from:"),
+        # an unknown model: the valid names are listed
         (["--model", "resnet"], "unknown model 'resnet'; choose one of: gpt, mlp"),
+        # a nonsensical count
         (["--steps", "0"], "--steps must be >= 1"),
+        # a size that cannot fit: says roughly how much it needs
         (["--batch", "100000", "--seq", "100000"], "needs roughly"),
+        # offload on a CPU-only setup: refused with the reason
+        (["--device", "cpu", "--strategies", "offload"], "needs a device"),
     ],
 )
-def test_bench_usage_errors_exit_2_with_a_message(args, message):
-    proc = remat("bench", *TINY, *args)
-    assert proc.returncode == 2
-    assert message in proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_bench_usage_errors_exit_2_with_a_message(args, message, capsys):
+    assert main(["bench", *TINY, *args]) == 2
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
-def test_bench_cuda_without_cuda_says_so():
-    proc = remat("bench", *TINY, "--device", "cuda")
-    assert proc.returncode == 2 and "no CUDA device" in proc.stderr
+def test_bench_cuda_without_cuda_says_so(capsys):
+    assert main(["bench", *TINY, "--device", "cuda"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
 
 
-def test_bench_offload_on_cpu_is_refused_with_reason():
-    proc = remat("bench", *TINY, "--device", "cpu", "--strategies", "offload")
-    assert proc.returncode == 2 and "needs a device" in proc.stderr
-
-
-def test_bench_list_names_every_strategy():
-    proc = remat("bench", "--list")
-    assert proc.returncode == 0
+def test_bench_list_names_every_strategy(capsys):
+    assert main(["bench", "--list"]) == 0
+    out = capsys.readouterr().out
     for name in ("none", "full", "every-2nd", "selective", "offload", "torch-full"):
-        assert name in proc.stdout
+        assert name in out
 
 
-def test_no_command_prints_help_and_exits_2():
-    proc = remat()
-    assert proc.returncode == 2 and "bench" in proc.stderr
+def test_no_command_prints_help_and_exits_2(capsys):
+    assert main([]) == 2
+    assert "bench" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_names_the_extra_before_running(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if remat[plot] were not installed
+    assert main(["bench", *TINY, "--plot", str(tmp_path / "x.png")]) == 2
+    captured = capsys.readouterr()
+    assert "pip install 'remat[plot]'" in captured.err
+    assert "strategy" not in captured.out  # failed up front: nothing was run
 
 
 def test_plot_writes_a_png(tmp_path):

@@ -18,7 +18,9 @@ second pack hook that stores the ``i``-th saved tensor into the ``i``-th
 holder, keyed by the autograd graph task. Unpacking pops the tensor, so each
 recomputed tensor is freed as soon as its backward node has used it, also with
 ``retain_graph=True`` (a later backward is a new graph task and recomputes
-again). With early stop the recompute raises a private exception as soon as
+again). What a backward never unpacks (``torch.autograd.grad`` of one output
+of a region with several) is dropped by a final callback of its graph task; a
+saved tensor read outside backward recomputes the region for itself alone. With early stop the recompute raises a private exception as soon as
 the last holder is filled and the rest of the function never runs.
 
 The frame holds weak references to its holders: a holder dies with its graph
@@ -50,6 +52,7 @@ except ImportError:  # older torch: inputs are kept by reference, versions check
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 _graph_task_id = torch._C._current_graph_task_id
+_engine = torch.autograd.Variable._execution_engine
 _outside_backward_ids = itertools.count(-2, -1)
 
 _TIP = (
@@ -168,10 +171,15 @@ class _Frame:
 
     def unpack(self, h: _Holder) -> torch.Tensor:
         gid = _graph_task_id()
-        if gid == -1:
+        outside = gid == -1
+        if outside:  # a saved tensor read outside backward: recompute just for it
             gid = next(_outside_backward_ids)
         if gid not in self.done:
             self.recompute(gid)
+            if not outside:
+                # Tensors this backward never unpacks (a partial backward) are dropped
+                # when it ends, not kept until the graph dies.
+                _engine.queue_callback(_DropTask(self, gid))
         try:
             return h.recomputed.pop(gid)
         except KeyError:
@@ -180,6 +188,17 @@ class _Frame:
                 "the same backward. If a custom autograd.Function reads ctx.saved_tensors more "
                 "than once in backward, read it once and keep the result."
             ) from None
+        finally:
+            if outside:
+                self.drop(gid)
+
+    def drop(self, gid: int) -> None:
+        """Forget what was recomputed for graph task ``gid`` and not used."""
+        self.done.discard(gid)
+        for ref in self.holders:
+            h = ref()
+            if h is not None and h.recomputed:
+                h.recomputed.pop(gid, None)
 
     # -- recompute -------------------------------------------------------------------
     def input_values(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -223,14 +242,22 @@ class _Frame:
                     self._run_recompute(ctx, args, kwargs)
         except _StopRecompute as stop:
             if stop.frame is not self:
+                self.drop(gid)
                 raise
+        except BaseException:
+            self.drop(gid)  # nothing half-recomputed stays behind a failed recompute
+            raise
         finally:
             _pop_hooks()
             _config._recomputing.reset(r_tok)
             _config._checkpointing.reset(c_tok)
             self.state.exit(token)
+        try:
+            rec.finish(log)
+        except BaseException:
+            self.drop(gid)
+            raise
         self.done.add(gid)
-        rec.finish(log)
 
     def _run_recompute(self, ctx: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if ctx is None:
@@ -255,6 +282,25 @@ def _identity(x: Any) -> Any:
     return x
 
 
+class _DropTask:
+    """Final callback of a graph task: drops the frame's unused recomputed tensors.
+
+    It holds the frame weakly: a frame whose graph nodes backward has already
+    freed must die then, with the region's inputs, not at the end of backward.
+    """
+
+    __slots__ = ("frame", "gid")
+
+    def __init__(self, frame: _Frame, gid: int) -> None:
+        self.frame = weakref.ref(frame)
+        self.gid = gid
+
+    def __call__(self) -> None:
+        frame = self.frame()
+        if frame is not None:
+            frame.drop(self.gid)
+
+
 class _RecomputeHook:
     """Pack hook of a recompute: hands the i-th saved tensor to the i-th holder."""
 
@@ -274,8 +320,10 @@ class _RecomputeHook:
         if x.requires_grad:
             x = x.detach()
         if i >= n:
-            if not frame.forward_completed:
-                return x  # backward ran inside the forward itself: nothing to compare
+            if not frame.forward_completed or frame.debug:
+                # Backward ran inside the forward itself: nothing to compare. Or debug:
+                # run to the end so that finish() lists every operator of the recompute.
+                return x
             raise frame.mismatch(f"the recompute saved more tensors than the forward ({n}).", None)
         h = frame.holders[i]()
         if h is not None:

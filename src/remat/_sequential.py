@@ -27,7 +27,7 @@ class _Run:
 
 
 def checkpoint_sequential(
-    functions: torch.nn.Sequential | Sequence[Callable[..., Any]],
+    functions: torch.nn.Sequential | torch.nn.ModuleList | Sequence[Callable[..., Any]],
     segments: int,
     input: Any,
     use_reentrant: bool | None = False,
@@ -40,8 +40,8 @@ def checkpoint_sequential(
     because backward needs its activations at once.
 
     Args:
-        functions: an ``nn.Sequential`` or a list of callables, each taking
-            the previous one's output.
+        functions: an ``nn.Sequential``, an ``nn.ModuleList`` or a sequence
+            of callables, each taking the previous one's output.
         segments: number of chunks, from 1 to ``len(functions)``.
         input: the input of the first function.
         use_reentrant: as in :func:`checkpoint` (default ``False``).
@@ -64,10 +64,12 @@ def checkpoint_sequential(
         )
     if isinstance(functions, torch.nn.Sequential):
         functions = list(functions.children())
-    elif not isinstance(functions, (list, tuple)):
+    elif isinstance(functions, torch.nn.ModuleList):  # indexable like a list, as torch allows
+        functions = list(functions)
+    elif not isinstance(functions, Sequence) or isinstance(functions, str):
         raise TypeError(
-            "checkpoint_sequential: functions must be an nn.Sequential or a list of callables, "
-            f"got {type(functions).__name__}."
+            "checkpoint_sequential: functions must be an nn.Sequential or a list of callables "
+            f"(an nn.ModuleList works too), got {type(functions).__name__}."
         )
     n = len(functions)
     if isinstance(segments, bool) or not isinstance(segments, int):

@@ -22,13 +22,28 @@ def plot(
     except ImportError as e:
         raise ImportError("--plot needs matplotlib: pip install 'remat[plot]'") from e
     fig, ax = plt.subplots(figsize=(7, 5))
-    for r in rows:
-        ax.scatter(r.time_ratio, r.activation_ratio, s=40)
+    colors = [plt.get_cmap("tab20")(k) for k in range(20)]
+    xs = [r.time_ratio for r in rows]
+    ys = [r.activation_ratio for r in rows]
+    span_x = (max(xs) - min(xs)) or 1.0
+    span_y = (max(ys) - min(ys)) or 1.0
+    placed: list[tuple[float, float]] = []
+    for i, r in enumerate(rows):
+        ax.scatter(r.time_ratio, r.activation_ratio, s=40, color=colors[i % len(colors)])
+        # strategies often share a point (same bytes, similar time): stack labels that would collide
+        near = sum(
+            abs(r.time_ratio - x) < 0.2 * span_x and abs(r.activation_ratio - y) < 0.04 * span_y
+            for x, y in placed
+        )
+        placed.append((r.time_ratio, r.activation_ratio))
         ax.annotate(
             r.strategy,
             (r.time_ratio, r.activation_ratio),
             textcoords="offset points",
-            xytext=(5, 4),
+            xytext=(5, 4 + 11 * near),
+            fontsize=8,
+            color="0.2",
+            arrowprops={"arrowstyle": "-", "color": "0.7", "lw": 0.5} if near else None,
         )
     if frontier is not None:
         xs, ys = frontier

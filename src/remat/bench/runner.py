@@ -11,8 +11,11 @@ Method
   :func:`remat.memory.track` around a step counts activations and
   temporaries only: that peak is the *activation memory*. *Peak step memory*
   adds parameter and gradient bytes.
-* Time: after warm-up, steps of all strategies are interleaved one by one
-  (so machine drift hits all alike) and the median per strategy is taken.
+* Time: after warm-up (two rounds: on the 2-core CPU we measured, the first
+  round after one warm-up step was still 10-25% slow for every strategy),
+  steps of all strategies are interleaved one by one, so machine drift hits
+  all alike, with the order rotated every round so that no strategy always
+  runs first; the median per strategy is taken and every step's time kept.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ from .. import memory
 from .models import ModelConfig, build, example_input, param_bytes
 from .strategies import Strategy
 
+WARMUP = 2
+"""Warm-up rounds (one step of every strategy each) before the timed steps."""
+
 
 @dataclasses.dataclass
 class Row:
@@ -45,6 +51,7 @@ class Row:
     activation_ratio: float = 1.0
     time_ratio: float = 1.0
     max_grad_diff: float = 0.0
+    step_times_s: list[float] = dataclasses.field(default_factory=list)
 
 
 def environment(device: torch.device, cfg: ModelConfig, n_params: int) -> dict[str, Any]:
@@ -78,7 +85,7 @@ def run(
     *,
     device: torch.device,
     steps: int,
-    warmup: int = 1,
+    warmup: int = WARMUP,
     progress: Callable[[str], None] | None = None,
 ) -> list[Row]:
     """Measure every strategy; ``progress(label)`` is called after each unit of work."""
@@ -114,7 +121,8 @@ def run(
         tick(f"memory {s.name}")
     times: dict[str, list[float]] = {s.name: [] for s in strategies}
     for i in range(warmup + steps):
-        for s in strategies:
+        k = i % len(strategies)
+        for s in [*strategies[k:], *strategies[:k]]:
             m = models[s.name]
             m.zero_grad(set_to_none=False)
             _sync(device)
@@ -132,6 +140,7 @@ def run(
             peak_bytes=fixed + mem[s.name],
             activation_bytes=mem[s.name],
             step_time_s=statistics.median(times[s.name]),
+            step_times_s=times[s.name],
         )
         for s in strategies
     ]
@@ -150,14 +159,15 @@ def run(
 
 def format_table(rows: Sequence[Row]) -> str:
     """The results as a fixed-width table."""
+    w = max([16, *(len(r.strategy) + 2 for r in rows)])
     head = (
-        f"{'strategy':<16}{'peak step':>12}{'activations':>13}{'step time':>11}"
+        f"{'strategy':<{w}}{'peak step':>12}{'activations':>13}{'step time':>11}"
         f"{'mem x':>8}{'act x':>8}{'time x':>8}{'max |dgrad|':>13}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r.strategy:<16}{_mib(r.peak_bytes):>12}{_mib(r.activation_bytes):>13}"
+            f"{r.strategy:<{w}}{_mib(r.peak_bytes):>12}{_mib(r.activation_bytes):>13}"
             f"{r.step_time_s * 1e3:>8.0f} ms{r.memory_ratio:>8.2f}{r.activation_ratio:>8.2f}"
             f"{r.time_ratio:>8.2f}{r.max_grad_diff:>13.2e}"
         )

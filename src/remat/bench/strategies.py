@@ -99,8 +99,12 @@ def _torch_wrapper(model: nn.Module, example: Any, every: int = 1) -> None:
 
 
 def _blocks(model: nn.Module) -> nn.ModuleList:
-    blocks = model.blocks
-    assert isinstance(blocks, nn.ModuleList)
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.ModuleList):
+        raise TypeError(
+            f"{type(model).__name__}: benchmark models keep their blocks in an nn.ModuleList "
+            f"named 'blocks', got {type(blocks).__name__}."
+        )
     return blocks
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import sys
@@ -12,12 +13,13 @@ from typing import Any
 import torch
 
 from ..bench.models import MODELS, ModelConfig, build, estimate_step_bytes, param_bytes
-from ..bench.runner import environment, format_table, run
+from ..bench.runner import WARMUP, environment, format_table, run
 from ..bench.strategies import DEFAULT, registry
 from ._usage import UsageError
 
 
 def add_parser(sub: Any) -> None:
+    """Register ``bench`` on the subparsers object of ``remat``'s parser."""
     p = sub.add_parser(
         "bench",
         help="benchmark checkpointing strategies on a built-in model",
@@ -109,12 +111,15 @@ def _available_bytes(device: torch.device) -> int | None:
         return None
 
 
-def _strategies(arg: str | None, device: torch.device) -> list[Any]:
+def _strategies(arg: str | None, device: torch.device) -> tuple[list[Any], list[str]]:
+    """The strategies to run, and the default ones skipped because they need a device."""
     reg = registry()
+    skipped: list[str] = []
     if arg is None:
         names = [n for n in DEFAULT if n in reg]
         names += [n for n in reg if n not in DEFAULT]
-        chosen = [reg[n] for n in names if not (reg[n].device_only and device.type == "cpu")]
+        skipped = [n for n in names if reg[n].device_only and device.type == "cpu"]
+        chosen = [reg[n] for n in names if n not in skipped]
     else:
         wanted = [n.strip() for n in arg.split(",") if n.strip()]
         unknown = [n for n in wanted if n not in reg]
@@ -131,10 +136,11 @@ def _strategies(arg: str | None, device: torch.device) -> list[Any]:
         chosen = [reg[n] for n in wanted]
     if "none" not in [s.name for s in chosen]:
         chosen.insert(0, reg["none"])  # the reference for the ratios
-    return chosen
+    return chosen, skipped
 
 
 def main(args: argparse.Namespace) -> int:
+    """Run ``remat bench``; a usage mistake prints one line to stderr and returns 2."""
     try:
         return _main(args)
     except UsageError as e:
@@ -146,7 +152,7 @@ def _main(args: argparse.Namespace) -> int:
     if args.list:
         for s in registry().values():
             extra = " (device only)" if s.device_only else ""
-            print(f"{s.name:<16}{s.description}{extra}")
+            print(f"{s.name:<20}{s.description}{extra}")
         return 0
     cfg, steps = _config(args)
     device = _device(args.device)
@@ -154,7 +160,9 @@ def _main(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise UsageError(f"--threads must be >= 1, got {args.threads}.")
         torch.set_num_threads(args.threads)
-    strategies = _strategies(args.strategies, device)
+    strategies, skipped = _strategies(args.strategies, device)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("--plot needs matplotlib: pip install 'remat[plot]'")
     need = estimate_step_bytes(cfg) * 2  # one model per strategy is alive: be generous
     avail = _available_bytes(device)
     if avail is not None and need > avail:
@@ -169,7 +177,7 @@ def _main(args: argparse.Namespace) -> int:
         f"model {cfg.model} ({cfg.layers} layers, d={cfg.d_model}, seq {cfg.seq}, batch {cfg.batch}, "
         f"{n_params / 1e6:.1f}M parameters), {steps} timed steps"
     )
-    units = len(strategies) * (3 + steps + 1)
+    units = len(strategies) * (3 + WARMUP + steps)  # configure, grads, memory, steps
     bar = None
     if not args.no_progress:
         from tqdm import tqdm
@@ -187,7 +195,13 @@ def _main(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
     print(format_table(rows))
-    print("\n" + "\n".join(f"  {s.name:<16}{s.description}" for s in strategies))
+    if skipped:
+        print(
+            f"\nskipped on {device.type}: {', '.join(skipped)} (needs a device; on a CPU-only "
+            "setup tensors already live in host memory)"
+        )
+    w = max(len(s.name) for s in strategies) + 2
+    print("\n" + "\n".join(f"  {s.name:<{w}}{s.description}" for s in strategies))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(
@@ -215,8 +229,10 @@ def _count(cfg: ModelConfig) -> int:
 
 
 def _frontier(cfg: ModelConfig, device: torch.device, rows: Any) -> tuple[list[float], list[float]]:
-    # time ratios use the profile's own clock: its keep step and its per-block costs
-    """The planner's predicted (time ratio, activation ratio) for budgets from its floor to 100%."""
+    """The planner's predicted (time ratio, activation ratio) for budgets from its floor to 100%.
+
+    Time ratios use the profile's own clock: its keep step and its per-block costs.
+    """
     from .._errors import PlanError
     from .._plan import plan, smallest_peak
     from .._profile import profile
