@@ -11,15 +11,16 @@ On a device (CUDA or any backend with streams and events)
   compute stream, so the copy reads the finished value; the device tensor is
   marked used by the side stream (``record_stream``) so the caching allocator
   cannot hand its memory out before the copy has read it.
-* Bringing it back allocates on the compute stream's allocator, copies on the
-  side stream after the copy out (same stream: ordered), records an event,
-  and makes the compute stream wait for that event before anyone reads the
-  tensor. The compute stream therefore never reads a buffer before its copy
-  has finished.
-* A host buffer returns to the pool only after the copy back into the device
-  has finished; since copies out and back run on the same side stream in
-  issue order, a buffer reused for a later copy out is never overwritten
-  before the earlier copy back has read it.
+* Bringing it back allocates the device tensor from the side stream's
+  memory, copies on the side stream after the copy out (same stream: issue
+  order), records an event, and makes the compute stream wait for that event
+  before anyone reads the tensor; the tensor is marked used by the compute
+  stream so its memory outlives the compute that reads it. The compute
+  stream therefore never reads a buffer before its copy has finished.
+* A released host buffer is parked with the event of the last copy that
+  touches it and returns to the pool only once that event has finished
+  (a non-blocking query when a buffer is next asked for), so it is never
+  overwritten before its copy back has read it, and the CPU never blocks.
 * Prefetch: when backward asks for one tensor, the tensors stashed just
   before it (which backward needs next) are brought back on the side stream
   at once, overlapping the copies with compute. The offload policies share one
@@ -45,54 +46,139 @@ import torch
 _PREFETCH_DEPTH = 2
 
 
+class _StreamOps:
+    """The stream, event, copy and allocation calls the stash makes on one device type.
+
+    Real devices (CUDA, or any backend whose device module has ``Stream`` and
+    ``Event``) go through torch's device module. Tests substitute a simulated
+    asynchronous device (tests/simdevice.py) that defers side-stream work and
+    flags any read of a copy that has not finished.
+    """
+
+    def __init__(self, device_type: str) -> None:
+        self.mod = torch.get_device_module(device_type)
+        self.side: dict[torch.device, Any] = {}
+
+    def side_stream(self, device: torch.device) -> Any:
+        s = self.side.get(device)
+        if s is None:
+            s = self.side[device] = self.mod.Stream(device=device)
+        return s
+
+    def compute_stream(self, device: torch.device) -> Any:
+        return self.mod.current_stream(device)
+
+    def record(self, stream: Any) -> Any:
+        event = self.mod.Event()
+        event.record(stream)
+        return event
+
+    def wait(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
+    def finished(self, event: Any) -> bool:
+        return bool(event.query())
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        with self.mod.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def empty(
+        self, shape: torch.Size, dtype: torch.dtype, device: torch.device, stream: Any
+    ) -> torch.Tensor:
+        with self.mod.stream(stream):
+            return torch.empty(shape, dtype=dtype, device=device)
+
+    def keep_until_done(self, t: torch.Tensor, stream: Any) -> None:
+        t.record_stream(stream)
+
+    def host_buffer(self, nbytes: int, pin: bool) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+
+_ops_cache: dict[str, _StreamOps] = {}
+
+
+def _ops_for(t: torch.Tensor) -> _StreamOps | None:
+    """The stream operations for ``t``'s device; None for host tensors (kept as they are)."""
+    kind = t.device.type
+    if kind == "cpu":
+        return None
+    ops = _ops_cache.get(kind)
+    if ops is None:
+        ops = _ops_cache[kind] = _StreamOps(kind)
+    return ops
+
+
 class _PinnedPool:
-    """Free pinned host buffers of one size class, reused across steps."""
+    """Pinned host buffers in power-of-two size classes, reused across regions and steps.
+
+    A returned buffer is parked with the event of the last copy that reads it
+    and is handed out again only once that event has finished (checked with a
+    non-blocking query), so the CPU never waits for the device here.
+    """
 
     def __init__(self, pin_memory: bool) -> None:
         self.pin = pin_memory
         self.free: dict[int, list[torch.Tensor]] = {}
+        self.parked: list[tuple[_StreamOps, Any, torch.Tensor]] = []
 
     @staticmethod
     def _size_class(nbytes: int) -> int:
         return 1 << max(nbytes - 1, 1).bit_length()
 
-    def take(self, nbytes: int) -> torch.Tensor:
+    def take(self, nbytes: int, ops: _StreamOps) -> torch.Tensor:
         size = self._size_class(nbytes)
+        if self.parked:
+            self._reclaim()
         bucket = self.free.get(size)
         if bucket:
             return bucket.pop()
-        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+        return ops.host_buffer(size, self.pin)
 
-    def give(self, buf: torch.Tensor) -> None:
-        self.free.setdefault(buf.numel(), []).append(buf)
+    def give(self, buf: torch.Tensor, ops: _StreamOps, last_use: Any) -> None:
+        self.parked.append((ops, last_use, buf))
+
+    def _reclaim(self) -> None:
+        still = []
+        for ops, event, buf in self.parked:
+            if ops.finished(event):
+                self.free.setdefault(buf.numel(), []).append(buf)
+            else:
+                still.append((ops, event, buf))
+        self.parked = still
 
 
 class _Ticket:
-    """One stashed tensor: on the host, or brought back to its device."""
+    """One stashed tensor: its host copy, and the copy back once one is under way."""
 
     __slots__ = (
+        "ops",
         "host",
+        "buf",
         "device",
         "dtype",
         "shape",
-        "stride",
-        "offset",
-        "out_done",
+        "last_copy",
         "back",
         "back_done",
         "nbytes",
+        "pos",
         "__weakref__",
     )
 
-    def __init__(self, t: torch.Tensor, nbytes: int) -> None:
+    def __init__(self, t: torch.Tensor, nbytes: int, ops: _StreamOps) -> None:
+        self.ops = ops
         self.device: torch.device = t.device
         self.dtype: torch.dtype = t.dtype
         self.shape: torch.Size = t.shape
         self.nbytes = nbytes
         self.host: torch.Tensor | None = None
+        self.buf: torch.Tensor | None = None
         self.back: torch.Tensor | None = None
-        self.out_done: Any = None
+        self.last_copy: Any = None  # event of the latest copy that touches the host buffer
         self.back_done: Any = None
+        self.pos = 0
 
 
 class HostStash:
@@ -100,101 +186,95 @@ class HostStash:
 
     def __init__(self, pin_memory: bool = True) -> None:
         self.pool = _PinnedPool(pin_memory)
-        self.streams: dict[torch.device, Any] = {}
         self.order: list[weakref.ref[_Ticket]] = []
         self.current_bytes = 0
         self.peak_bytes = 0
         self.total_bytes = 0
         self.count = 0
 
-    def _stream(self, device: torch.device) -> Any:
-        s = self.streams.get(device)
-        if s is None:
-            mod = torch.get_device_module(device.type)
-            s = mod.Stream(device=device)
-            self.streams[device] = s
-        return s
-
     def put(self, t: torch.Tensor) -> _Ticket | torch.Tensor:
-        """Stash ``t``; return what :meth:`get` takes back (the tensor itself on CPU)."""
-        nbytes = t.untyped_storage().nbytes() if t.device.type != "cpu" else t.nbytes
+        """Stash ``t``; return what :meth:`get` takes back (the tensor itself on the host)."""
+        ops = _ops_for(t)
+        nbytes = t.nbytes if ops is None else t.untyped_storage().nbytes()
         self.count += 1
         self.total_bytes += nbytes
         self.current_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.current_bytes)
-        if t.device.type == "cpu":
+        if ops is None:
             return t
-        mod = torch.get_device_module(t.device.type)
-        tk = _Ticket(t, nbytes)
+        tk = _Ticket(t, nbytes, ops)
         src = t.detach()
         if not src.is_contiguous():
             src = src.contiguous()
-        stream = self._stream(t.device)
-        ready = mod.Event()
-        ready.record(mod.current_stream(t.device))
-        buf = self.pool.take(src.nbytes)
+        side = ops.side_stream(t.device)
+        ready = ops.record(ops.compute_stream(t.device))
+        buf = self.pool.take(src.nbytes, ops)
         host = buf[: src.nbytes].view(src.dtype).view(src.shape)
-        with mod.stream(stream):
-            stream.wait_event(ready)
-            host.copy_(src, non_blocking=True)
-            done = mod.Event()
-            done.record(stream)
-        src.record_stream(stream)
-        tk.host = host
-        tk.out_done = (done, buf)
+        ops.wait(side, ready)  # the copy reads the value compute has finished writing
+        ops.keep_until_done(src, side)  # the allocator keeps src's memory until the copy read it
+        ops.copy(host, src, side)
+        tk.host, tk.buf = host, buf
+        tk.last_copy = ops.record(side)
+        tk.pos = len(self.order)
         self.order.append(weakref.ref(tk))
         if len(self.order) % 1024 == 0:  # forget tickets that are gone
-            self.order = [r for r in self.order if r() is not None]
+            self._compact()
         return tk
 
+    def _compact(self) -> None:
+        live = [r for r in self.order if r() is not None]
+        for i, r in enumerate(live):
+            r().pos = i  # type: ignore[union-attr]
+        self.order = live
+
     def _bring_back(self, tk: _Ticket) -> None:
-        mod = torch.get_device_module(tk.device.type)
-        stream = self._stream(tk.device)
+        ops = tk.ops
+        side = ops.side_stream(tk.device)
         assert tk.host is not None
-        with mod.stream(stream):
-            dev = torch.empty(tk.shape, dtype=tk.dtype, device=tk.device)
-            dev.copy_(tk.host, non_blocking=True)  # after the copy out: same stream
-            done = mod.Event()
-            done.record(stream)
-        dev.record_stream(mod.current_stream(tk.device))
-        tk.back, tk.back_done = dev, done
+        dev = ops.empty(tk.shape, tk.dtype, tk.device, side)
+        ops.copy(dev, tk.host, side)  # after the copy out: same stream, issue order
+        tk.back_done = tk.last_copy = ops.record(side)
+        ops.keep_until_done(dev, ops.compute_stream(tk.device))
+        tk.back = dev
 
     def get(self, tk: _Ticket | torch.Tensor) -> torch.Tensor:
-        """Return the stashed tensor on its device, safe to read on the compute stream."""
+        """Return the stashed tensor on its device, safe to read on the compute stream.
+
+        The stash does not keep the device tensor it hands out: a second
+        backward over a retained graph copies it back again.
+        """
         if isinstance(tk, torch.Tensor):
             return tk
+        if tk.host is None:
+            raise RuntimeError("remat offload: a stashed tensor was used after it was released")
         if tk.back is None:
             self._bring_back(tk)
         self._prefetch_before(tk)
-        mod = torch.get_device_module(tk.device.type)
-        mod.current_stream(tk.device).wait_event(tk.back_done)
-        return tk.back  # type: ignore[return-value]
+        ops = tk.ops
+        ops.wait(ops.compute_stream(tk.device), tk.back_done)
+        dev, tk.back = tk.back, None
+        return dev  # type: ignore[return-value]
 
     def release(self, tk: _Ticket | torch.Tensor) -> None:
-        """Forget a stashed tensor; its host buffer returns to the pool once safe."""
+        """Forget a stashed tensor; its host buffer returns to the pool once its copies are done."""
         if isinstance(tk, torch.Tensor):
             self.current_bytes -= tk.nbytes
             return
+        if tk.buf is None:
+            return
         self.current_bytes -= tk.nbytes
-        if tk.out_done is not None:
-            done, buf = tk.out_done
-            if tk.back_done is not None:
-                done = tk.back_done
-            done.synchronize()
-            self.pool.give(buf)
-            tk.out_done = None
-        tk.host = None
-        tk.back = None
+        self.pool.give(tk.buf, tk.ops, tk.last_copy)
+        tk.buf = tk.host = tk.back = None
 
     def _prefetch_before(self, tk: _Ticket) -> None:
         # Backward visits tensors in reverse order of forward: fetch the ones stashed just before.
-        for i in range(len(self.order) - 1, -1, -1):
-            if self.order[i]() is tk:
-                for j in range(i - 1, max(i - 1 - _PREFETCH_DEPTH, -1), -1):
-                    other = self.order[j]()
-                    if other is not None and other.back is None and other.host is not None:
-                        self._bring_back(other)
-                break
+        i = tk.pos
+        if i >= len(self.order) or self.order[i]() is not tk:
+            return
+        for j in range(i - 1, max(i - 1 - _PREFETCH_DEPTH, -1), -1):
+            other = self.order[j]()
+            if other is not None and other.back_done is None and other.host is not None:
+                self._bring_back(other)
 
 
 _thread_stash: ContextVar[HostStash | None] = ContextVar("remat_offload_stash", default=None)

@@ -34,6 +34,7 @@ to trace them); the offload policies then follow torch's compiled semantics.
 from __future__ import annotations
 
 import enum
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -138,7 +139,7 @@ class _Saved:
 
 
 class _Offloaded:
-    __slots__ = ("tickets", "is_tensor", "stash", "single", "rng")
+    __slots__ = ("tickets", "is_tensor", "stash", "single", "rng", "__weakref__")
 
     def __init__(self, out: Any, stash: HostStash) -> None:
         self.stash = stash
@@ -147,12 +148,20 @@ class _Offloaded:
         self.is_tensor = [isinstance(o, torch.Tensor) for o in outs]
         self.tickets = [stash.put(o) if t else o for o, t in zip(outs, self.is_tensor)]
         self.rng: tuple[Any, ...] | None = None
+        # Once consumed by backward (or the graph is freed) the host buffers go back to the pool.
+        kept = [tk for tk, t in zip(self.tickets, self.is_tensor) if t]
+        weakref.finalize(self, _release_all, stash, kept)
 
     def get(self, func: Any, allow_mutation: bool) -> Any:
         vals = [
             _fresh(self.stash.get(tk)) if t else tk for tk, t in zip(self.tickets, self.is_tensor)
         ]
         return vals[0] if self.single else tuple(vals)
+
+
+def _release_all(stash: HostStash, tickets: list[Any]) -> None:
+    for tk in tickets:
+        stash.release(tk)
 
 
 def _fresh(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,208 @@
+"""The offload engine's device path, run on a simulated asynchronous device (tests/simdevice.py).
+
+The simulated device defers side-stream copies and flags any read of memory
+whose copy has not finished, so these tests check the stream discipline
+(events, record_stream, pinned-pool reuse, prefetch) without a GPU. The same
+behaviours on real CUDA are in the ``gpu``-marked tests of test_offload.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from simdevice import RaceError, simulated_device
+
+import remat
+from remat._apply import apply_decision
+from remat._offload import HostStash
+
+SEEDS = [0, 1, 2, 3, 4, 5]
+
+
+def _ragged_mlp(seed: int, layers: int = 8) -> tuple[torch.nn.Sequential, int]:
+    rnd = random.Random(seed)
+    widths = [rnd.choice([16, 24, 40, 64, 100]) for _ in range(layers + 1)]
+    torch.manual_seed(seed)
+    mods: list[torch.nn.Module] = []
+    for a, b in zip(widths, widths[1:]):
+        mods += [torch.nn.Linear(a, b), torch.nn.GELU()]
+    return torch.nn.Sequential(*mods), widths[0]
+
+
+def _grads(model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+
+
+def _zero(model: torch.nn.Module, x: torch.Tensor) -> None:
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_offload_on_async_device_gives_bitwise_grads_over_repeated_steps(seed):
+    model, d = _ragged_mlp(seed)
+    x = torch.randn(33, d, requires_grad=True)
+    model(x).pow(2).sum().backward()
+    ref = _grads(model, x)
+    with simulated_device(seed) as dev:
+        for step in range(3):
+            _zero(model, x)
+            with remat.offload(min_bytes=0) as stats:
+                y = model(x)
+            assert stats.offloaded_tensors > 0
+            y.pow(2).sum().backward()
+            del y
+            for r, g in zip(ref, _grads(model, x)):
+                assert torch.equal(r, g), f"step {step}"
+            assert stats.current_bytes == 0
+    assert ("out", x.nbytes) in dev.copies and any(kind == "back" for kind, _ in dev.copies)
+
+
+def test_pinned_buffers_are_reused_across_steps_within_one_stash():
+    stash_steps = []
+    model, d = _ragged_mlp(0)
+    x = torch.randn(16, d, requires_grad=True)
+    ctx_fn = functools.partial(
+        remat.create_selective_checkpoint_contexts, remat.policies.offload_matmuls()
+    )
+    with simulated_device(0) as dev:
+        for _ in range(3):
+            before = dev.host_buffers
+            remat.checkpoint(model, x, context_fn=ctx_fn).sum().backward()
+            stash_steps.append(dev.host_buffers - before)
+    assert stash_steps[0] > 0
+    assert stash_steps[1:] == [0, 0]  # every buffer came back to the pool and was reused
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_offload_policies_on_async_device_match_plain_run_and_never_recompute_matmuls(seed):
+    model, d = _ragged_mlp(seed, layers=4)
+    x = torch.randn(20, d, requires_grad=True)
+    model(x).tanh().sum().backward()
+    ref = _grads(model, x)
+    _zero(model, x)
+    ctx_fn = functools.partial(
+        remat.create_selective_checkpoint_contexts, remat.policies.offload_matmuls()
+    )
+    calls = {"addmm": 0}
+    orig = torch.nn.functional.linear
+
+    def counting_linear(*a, **k):
+        calls["addmm"] += 1
+        return orig(*a, **k)
+
+    with simulated_device(seed) as dev:
+        h = x
+        for i in range(0, len(model), 2):
+            h = remat.checkpoint(model[i : i + 2], h, context_fn=ctx_fn)
+        torch.nn.functional.linear = counting_linear
+        try:
+            h.tanh().sum().backward()
+        finally:
+            torch.nn.functional.linear = orig
+    assert calls["addmm"] == 4  # recompute reruns the Linear modules; their matmul is served
+    for r, g in zip(ref, _grads(model, x)):
+        assert torch.equal(r, g)
+    outs = [n for kind, n in dev.copies if kind == "out"]
+    assert len(outs) == 4  # one offloaded matmul output per layer
+
+
+def test_offload_policy_second_backward_with_retain_graph_copies_back_again():
+    model, d = _ragged_mlp(1, layers=2)
+    x = torch.randn(8, d, requires_grad=True)
+    model(x).sum().backward()
+    ref = _grads(model, x)
+    _zero(model, x)
+    ctx_fn = functools.partial(
+        remat.create_selective_checkpoint_contexts, remat.policies.offload_matmuls()
+    )
+    with simulated_device(1) as dev:
+        y = remat.checkpoint(model, x, context_fn=ctx_fn).sum()
+        y.backward(retain_graph=True)
+        first = _grads(model, x)
+        _zero(model, x)
+        y.backward()
+    for r, a, b in zip(ref, first, _grads(model, x)):
+        assert torch.equal(r, a) and torch.equal(r, b)
+    backs = sum(1 for kind, _ in dev.copies if kind == "back")
+    assert backs == 2 * 2  # two matmul outputs, copied back once per backward
+
+
+def test_backward_prefetches_previous_regions_outputs_on_async_device():
+    tickets, events = [], []
+    orig_put, orig_get, orig_back = HostStash.put, HostStash.get, HostStash._bring_back
+
+    def put(self, t):
+        tk = orig_put(self, t)
+        tickets.append(tk)
+        return tk
+
+    def get(self, tk):
+        events.append(("get", tickets.index(tk)))
+        return orig_get(self, tk)
+
+    def back(self, tk):
+        events.append(("back", tickets.index(tk)))
+        return orig_back(self, tk)
+
+    ctx_fn = functools.partial(
+        remat.create_selective_checkpoint_contexts, remat.policies.offload_matmuls()
+    )
+    lin = torch.nn.Linear(16, 16)
+    x = torch.randn(8, 16, requires_grad=True)
+    HostStash.put, HostStash.get, HostStash._bring_back = put, get, back
+    try:
+        with simulated_device(0):
+            h = remat.checkpoint(lambda t: lin(t).tanh(), x, context_fn=ctx_fn)
+            h = remat.checkpoint(lambda t: lin(t).tanh(), h, context_fn=ctx_fn)
+            h.sum().backward()
+    finally:
+        HostStash.put, HostStash.get, HostStash._bring_back = orig_put, orig_get, orig_back
+    # region 2's recompute fetches its output and prefetches region 1's, which is then ready
+    assert events == [("get", 1), ("back", 1), ("back", 0), ("get", 0)]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_wrapper_offload_to_cpu_and_planner_offload_on_async_device_match_plain_run(seed):
+    torch.manual_seed(seed)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU()) for _ in range(4)]
+    model = torch.nn.Sequential(*blocks)
+    x = torch.randn(12, 32, requires_grad=True)
+    F.mse_loss(model(x), torch.zeros(12, 32)).backward()
+    ref = _grads(model, x)
+    _zero(model, x)
+    remat.checkpoint_wrapper(blocks[0], offload_to_cpu=True)
+    remat.checkpoint_wrapper(blocks[1], offload_to_cpu=True, policy=remat.policies.save_matmuls())
+    apply_decision(blocks[2], "offload")
+    with simulated_device(seed) as dev:
+        F.mse_loss(model(x), torch.zeros(12, 32)).backward()
+    for r, g in zip(ref, _grads(model, x)):
+        assert torch.equal(r, g)
+    assert len([k for k, _ in dev.copies if k == "out"]) >= 3
+
+
+def test_race_detector_catches_compute_reading_before_the_copy_back_finished():
+    model, d = _ragged_mlp(0, layers=3)
+    x = torch.randn(16, d, requires_grad=True)
+    with simulated_device(0, progress=0.0) as dev:
+        dev.skip_compute_wait = True  # an engine that forgot to make compute wait
+        with remat.offload(min_bytes=0):
+            y = model(x)
+        with pytest.raises(RaceError, match="had not finished"):
+            y.sum().backward()
+        dev.drain()
+
+
+def test_race_detector_catches_a_copy_of_memory_not_kept_for_its_stream():
+    lin = torch.nn.Linear(16, 16)
+    x = torch.randn(8, 16, requires_grad=True)
+    with simulated_device(0, progress=0.0) as dev:
+        dev.skip_keep = True  # an engine that forgot record_stream on the source
+        with remat.offload(min_bytes=0):
+            y = lin(x).relu()
+        with pytest.raises(RaceError, match="record_stream"):
+            y.sum().backward()
