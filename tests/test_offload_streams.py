@@ -206,3 +206,37 @@ def test_race_detector_catches_a_copy_of_memory_not_kept_for_its_stream():
             y = lin(x).relu()
         with pytest.raises(RaceError, match="record_stream"):
             y.sum().backward()
+
+
+def test_offloaded_device_tensor_is_freed_once_its_copy_out_ran():
+    import weakref
+
+    x = torch.randn(64, 64, requires_grad=True)
+    for offload in (False, True):
+        with simulated_device(0, progress=0.0) as dev:
+            ctx = remat.offload(min_bytes=0) if offload else torch.enable_grad()
+            with ctx:
+                a = x.sin()  # saved by the next sin
+                b = a.sin()
+            alive = weakref.ref(a)
+            del a
+            dev.drain()  # the copies out have run
+            assert (alive() is None) == offload
+            b.sum().backward()
+            assert torch.equal(x.grad, (x.sin().cos() * x.cos()).detach())
+            x.grad = None
+
+
+def test_shared_stash_releases_every_byte_after_backward():
+    import remat._offload as engine
+
+    ctx_fn = functools.partial(
+        remat.create_selective_checkpoint_contexts, remat.policies.offload_matmuls()
+    )
+    model, d = _ragged_mlp(3, layers=3)
+    x = torch.randn(10, d, requires_grad=True)
+    with simulated_device(3):
+        remat.checkpoint(model, x, context_fn=ctx_fn).sum().backward()
+        stash = engine.shared_stash()
+        assert stash.count == 3 and stash.peak_bytes > 0
+        assert stash.current_bytes == 0
