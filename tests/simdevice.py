@@ -5,7 +5,10 @@ allocation only through a ``_StreamOps`` object. :func:`simulated_device`
 patches the engine so every tensor it stashes is treated as a device tensor
 and served by :class:`SimOps`, which behaves like an asynchronous device:
 
-* the compute stream is the CPU itself: its work happens at once, in order;
+* the compute stream runs behind the CPU: the CPU computes every value at
+  once, but the simulated compute stream finishes operators later (at seeded
+  random points), and memory an operator writes counts as unwritten until
+  the compute stream has passed it;
 * work issued on a side stream is *deferred*: it runs only when someone waits
   for an event recorded after it, or when the device "makes progress" at
   seeded random points (so different seeds give different interleavings);
@@ -17,6 +20,9 @@ is active a dispatch mode checks every operator the CPU runs:
 * reading memory that a side-stream copy has not finished writing, or
   writing memory that a side-stream copy has not finished reading, raises
   :class:`RaceError`;
+* a side-stream copy that runs before the compute stream has finished
+  writing its source (the engine forgot to make the side stream wait for an
+  event recorded on the compute stream) raises :class:`RaceError`;
 * a deferred copy that reads device memory checks the engine marked that
   memory as used by the copy's stream (``record_stream``), without which a
   caching allocator could hand the memory out before the copy read it;
@@ -88,11 +94,15 @@ class SimOps:
         self.running = False
         self.skip_compute_wait = False  # set by tests that check the detector fires
         self.skip_keep = False
+        self.skip_ready_wait = False
+        self.last_write: dict[int, int] = {}  # storage -> compute position that wrote it
 
     # the device "makes progress" on its own at random points
     def step(self) -> None:
         if self.running or self.rng.random() >= self.progress:
             return
+        c = self.compute
+        c.done = self.rng.randint(c.done, c.issued)
         for s in self.sides.values():
             if s.done < s.issued:
                 s.run_to(self.rng.randint(s.done + 1, s.issued))
@@ -117,13 +127,20 @@ class SimOps:
 
     def wait(self, stream: SimStream, event: SimEvent) -> None:
         src = event.stream
-        if src is self.compute or src is stream:
-            return  # compute work is done at once; a stream is ordered with itself
+        if src is stream:
+            return  # a stream is ordered with itself
+        if src is self.compute:
+            if not self.skip_ready_wait:
+                self._enqueue(stream, lambda: self._compute_reaches(event.pos))
+            return
         if stream is self.compute:
             if not self.skip_compute_wait:
                 src.run_to(event.pos)
             return
         self._enqueue(stream, lambda: src.run_to(event.pos))
+
+    def _compute_reaches(self, pos: int) -> None:
+        self.compute.done = max(self.compute.done, pos)
 
     def finished(self, event: SimEvent) -> bool:
         self.step()
@@ -145,6 +162,11 @@ class SimOps:
         src_is_device = r not in self.host
 
         def run() -> None:
+            if self.last_write.get(r, 0) > self.compute.done:
+                raise RaceError(
+                    f"a copy on {stream} read memory before the compute stream finished "
+                    "writing it (the side stream must wait for an event recorded on compute)"
+                )
             if src_is_device and (id(stream), r) not in self.kept:
                 raise RaceError(
                     "a deferred copy read device memory that was never marked as used by its "
@@ -230,8 +252,22 @@ class _Checker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        self.ops.check(func, args, kwargs)
-        return func(*args, **kwargs)
+        ops = self.ops
+        ops.check(func, args, kwargs)
+        out = func(*args, **kwargs)
+        if not ops.running and not func.is_view:
+            # the compute stream finishes this operator later: what it wrote is pending
+            ops.compute.issued += 1
+            pos = ops.compute.issued
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    ops.last_write[_ptr(t)] = pos
+            for i, a in enumerate(func._schema.arguments):
+                if a.alias_info is not None and a.alias_info.is_write and i < len(args):
+                    for t in tree_leaves(args[i]):
+                        if isinstance(t, torch.Tensor):
+                            ops.last_write[_ptr(t)] = pos
+        return out
 
 
 @contextlib.contextmanager

@@ -240,3 +240,14 @@ def test_shared_stash_releases_every_byte_after_backward():
         stash = engine.shared_stash()
         assert stash.count == 3 and stash.peak_bytes > 0
         assert stash.current_bytes == 0
+
+
+def test_race_detector_catches_a_copy_out_that_does_not_wait_for_compute():
+    model, d = _ragged_mlp(0, layers=2)
+    x = torch.randn(16, d, requires_grad=True)
+    with simulated_device(0, progress=0.0) as dev:
+        dev.skip_ready_wait = True  # an engine that forgot the event on the compute stream
+        with pytest.raises(RaceError, match="before the compute stream finished"):
+            with remat.offload(min_bytes=0):
+                y = model(x)
+            y.sum().backward()
