@@ -188,7 +188,8 @@ class SimOps:
         self.running = True
         try:
             t = torch.empty(shape, dtype=dtype, device="cpu")
-            t.view(torch.uint8).fill_(0xFF) if t.numel() else None
+            if t.numel():
+                t.reshape(-1).view(torch.uint8).fill_(0xFF)
         finally:
             self.running = False
         return t

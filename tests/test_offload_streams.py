@@ -251,3 +251,29 @@ def test_race_detector_catches_a_copy_out_that_does_not_wait_for_compute():
             with remat.offload(min_bytes=0):
                 y = model(x)
             y.sum().backward()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_offload_keeps_views_dtypes_and_empty_tensors_exact_on_async_device(seed):
+    torch.manual_seed(seed)
+    x = torch.randn(12, 20, dtype=torch.float64, requires_grad=True)
+    idx = torch.randint(0, 20, (12, 5))
+
+    def f(t):
+        v = (t * 1.5).t()  # a non-contiguous view, saved by sin
+        a = v.sin().t()
+        g = a.gather(1, idx)  # saves an int64 index
+        m = torch.where(g > 0, g, g * 0.1)  # saves a bool mask
+        e = (t[:0] * 2).exp()  # a zero-size tensor, saved by exp
+        s = t.sum().sigmoid()  # a 0-dim tensor, saved by sigmoid
+        return m.sum() * s + e.sum()
+
+    f(x).backward()
+    ref = x.grad.clone()
+    x.grad = None
+    with simulated_device(seed):
+        with remat.offload(min_bytes=0) as stats:
+            y = f(x)
+        y.backward()
+    assert torch.equal(x.grad, ref)
+    assert stats.current_bytes == 0 and stats.offloaded_tensors >= 5

@@ -195,7 +195,7 @@ class HostStash:
     def put(self, t: torch.Tensor) -> _Ticket | torch.Tensor:
         """Stash ``t``; return what :meth:`get` takes back (the tensor itself on the host)."""
         ops = _ops_for(t)
-        nbytes = t.nbytes if ops is None else t.untyped_storage().nbytes()
+        nbytes = t.nbytes  # what is copied (a view copies its own elements only)
         self.count += 1
         self.total_bytes += nbytes
         self.current_bytes += nbytes
