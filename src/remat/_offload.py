@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import weakref
 from collections.abc import Iterator
 from contextvars import ContextVar
@@ -140,13 +141,12 @@ class _PinnedPool:
         self.parked.append((ops, last_use, buf))
 
     def _reclaim(self) -> None:
-        still = []
-        for ops, event, buf in self.parked:
+        parked, self.parked = self.parked, []  # a give() during the loop is not lost
+        for ops, event, buf in parked:
             if ops.finished(event):
                 self.free.setdefault(buf.numel(), []).append(buf)
             else:
-                still.append((ops, event, buf))
-        self.parked = still
+                self.parked.append((ops, event, buf))
 
 
 class _Ticket:
@@ -191,9 +191,16 @@ class HostStash:
         self.peak_bytes = 0
         self.total_bytes = 0
         self.count = 0
+        # Backward on several devices runs in one autograd thread per device. Reentrant:
+        # release() runs from finalizers, which garbage collection may call inside put().
+        self.lock = threading.RLock()
 
     def put(self, t: torch.Tensor) -> _Ticket | torch.Tensor:
         """Stash ``t``; return what :meth:`get` takes back (the tensor itself on the host)."""
+        with self.lock:
+            return self._put(t)
+
+    def _put(self, t: torch.Tensor) -> _Ticket | torch.Tensor:
         ops = _ops_for(t)
         nbytes = t.nbytes  # what is copied (a view copies its own elements only)
         self.count += 1
@@ -245,6 +252,10 @@ class HostStash:
         """
         if isinstance(tk, torch.Tensor):
             return tk
+        with self.lock:
+            return self._get(tk)
+
+    def _get(self, tk: _Ticket) -> torch.Tensor:
         if tk.host is None:
             raise RuntimeError("remat offload: a stashed tensor was used after it was released")
         if tk.back is None:
@@ -257,14 +268,15 @@ class HostStash:
 
     def release(self, tk: _Ticket | torch.Tensor) -> None:
         """Forget a stashed tensor; its host buffer returns to the pool once its copies are done."""
-        if isinstance(tk, torch.Tensor):
+        with self.lock:
+            if isinstance(tk, torch.Tensor):
+                self.current_bytes -= tk.nbytes
+                return
+            if tk.buf is None:
+                return
             self.current_bytes -= tk.nbytes
-            return
-        if tk.buf is None:
-            return
-        self.current_bytes -= tk.nbytes
-        self.pool.give(tk.buf, tk.ops, tk.last_copy)
-        tk.buf = tk.host = tk.back = None
+            self.pool.give(tk.buf, tk.ops, tk.last_copy)
+            tk.buf = tk.host = tk.back = None
 
     def _prefetch_before(self, tk: _Ticket) -> None:
         # Backward visits tensors in reverse order of forward: fetch the ones stashed just before.
