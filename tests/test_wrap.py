@@ -84,26 +84,24 @@ def test_wrapped_model_grads_and_buffers_equal_unchecked_bitwise(kwargs):
     assert_same(train_steps(model), ref)
 
 
-def test_wrapper_keeps_identity_names_and_state_dict_keys():
-    model = Net()
-    before = (
+def names_and_types(model):
+    """What wrapping must not change: parameter, module, buffer and state_dict names, types."""
+    return (
         [n for n, _ in model.named_parameters()],
         [n for n, _ in model.named_modules()],
         [n for n, _ in model.named_buffers()],
         list(model.state_dict()),
         [repr(type(m)) for m in model.modules()],
     )
+
+
+def test_wrapper_keeps_identity_names_and_state_dict_keys():
+    model = Net()
+    before = names_and_types(model)
     block = model.layers[1]
     assert remat.checkpoint_wrapper(block) is block
     assert isinstance(block, Block) and type(block) is Block
-    after = (
-        [n for n, _ in model.named_parameters()],
-        [n for n, _ in model.named_modules()],
-        [n for n, _ in model.named_buffers()],
-        list(model.state_dict()),
-        [repr(type(m)) for m in model.modules()],
-    )
-    assert before == after
+    assert names_and_types(model) == before
     assert "[remat: checkpointed]" in repr(block)
 
 
@@ -343,7 +341,7 @@ def test_hf_style_layer_with_kwargs_tuple_outputs_and_none():
         assert torch.equal(a, b)
 
 
-def test_cache_append_in_recompute_raises_naming_module_and_leaves_cache():
+def test_cache_append_repeated_in_recompute_raises_naming_module():
     layer = remat.checkpoint_wrapper(DecoderLayer())
     h, pos, mask = hf_inputs()
     cache = Cache()
@@ -352,10 +350,70 @@ def test_cache_append_in_recompute_raises_naming_module_and_leaves_cache():
     )
     assert len(cache.keys) == 1
     with pytest.raises(
-        remat.CheckpointError, match=r"DecoderLayer.*use_cache=False.*is_recomputing"
+        remat.CheckpointError,
+        match=r"DecoderLayer.*past_key_value.*Cache.*use_cache=False.*is_recomputing",
     ):
         out.sum().backward()
-    assert len(cache.keys) == 1  # as the forward left it
+
+
+class _Seen:
+    """A plain object (passed by reference, unlike lists, which recompute gets as they were)."""
+
+    def __init__(self):
+        self.items: list[torch.Tensor] = []
+
+
+class _ObjArg(nn.Module):
+    def __init__(self, guarded_append=False, reads_length=False):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.guarded_append = guarded_append
+        self.reads_length = reads_length
+
+    def forward(self, x, seen):
+        y = self.lin(x)
+        if self.reads_length:
+            y = y.reshape(len(seen.items) + 4, 3)  # x has 4 rows: fits only while empty
+        if self.guarded_append and not remat.is_recomputing():
+            seen.items.append(y.detach())
+        return y.tanh()
+
+
+def test_object_argument_changed_by_caller_after_forward_is_fine():
+    torch.manual_seed(0)
+    m = _ObjArg()
+    x = torch.randn(12, 3, requires_grad=True)
+    m(x, _Seen()).sum().backward()
+    ref = [x.grad.clone()] + [p.grad.clone() for p in m.parameters()]
+    x.grad = None
+    m.zero_grad()
+    remat.checkpoint_wrapper(m)
+    seen = _Seen()
+    y = m(x, seen)
+    seen.items.append(torch.zeros(2))  # the caller collects something after the call
+    y.sum().backward()
+    for a, b in zip(ref, [x.grad] + [p.grad for p in m.parameters()]):
+        assert torch.equal(a, b)
+
+
+def test_side_effect_guarded_with_is_recomputing_runs_once_and_recompute_succeeds():
+    m = remat.checkpoint_wrapper(_ObjArg(guarded_append=True))
+    x = torch.randn(12, 3, requires_grad=True)
+    seen = _Seen()
+    m(x, seen).sum().backward()
+    assert len(seen.items) == 1 and x.grad is not None
+
+
+def test_recompute_that_fails_on_an_argument_the_forward_changed_names_it():
+    m = remat.checkpoint_wrapper(_ObjArg(guarded_append=True, reads_length=True))
+    x = torch.randn(4, 3, requires_grad=True)
+    seen = _Seen()
+    y = m(x, seen)
+    with pytest.raises(
+        remat.CheckpointError, match=r"_ObjArg's recompute failed while argument 1 \(_Seen\)"
+    ) as info:
+        y.sum().backward()
+    assert isinstance(info.value.__cause__, RuntimeError)
 
 
 def test_cache_guarded_with_is_recomputing_works():
@@ -371,6 +429,22 @@ def test_cache_guarded_with_is_recomputing_works():
     out, _, _ = layer(h, position_embeddings=pos, past_key_value=cache, use_cache=False)
     out.sum().backward()
     assert h.grad is not None
+
+
+def test_list_argument_is_replayed_as_it_was_when_the_forward_started():
+    m = remat.checkpoint_wrapper(_ObjArg())
+    seen_lengths = []
+
+    def forward(x, lst):
+        seen_lengths.append(len(lst))
+        return m.lin(x).tanh()
+
+    x = torch.randn(4, 3, requires_grad=True)
+    lst: list[int] = []
+    y = remat.checkpoint(forward, x, lst)
+    lst.append(1)
+    y.sum().backward()
+    assert seen_lengths == [0, 0]
 
 
 class KW(nn.Module):

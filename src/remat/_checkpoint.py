@@ -51,7 +51,10 @@ def checkpoint(
     Args:
         function: the callable to checkpoint.
         *args: its positional arguments; tensors may sit in lists, tuples,
-            dicts and dataclasses (non-reentrant variant).
+            dicts and dataclasses (non-reentrant variant). The recompute gets
+            those containers rebuilt as they were when the forward started
+            (a list the caller appends to afterwards is replayed without the
+            append); other objects are passed as they are, by reference.
         use_reentrant: ``False`` (default, no warning; ``None`` means the
             same) for the saved-tensor-hooks variant that supports nesting,
             ``torch.autograd.grad``, ``backward(inputs=...)``, double

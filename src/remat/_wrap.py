@@ -20,10 +20,14 @@ Side effects in recompute
   model's and a forward that reads its own buffers recomputes bitwise.
 * Python objects passed in (a KV cache, lists, dicts, objects) are
   fingerprinted (their type, length and tensor shapes, a few levels deep)
-  when the forward starts. If one has changed when the recompute starts, the
-  forward itself changed it (a cache append): recomputing would change it
-  again and fail later with a confusing shape error. A :class:`CheckpointError`
-  is raised instead, before the recompute runs, naming the module.
+  when the forward starts and again around the recompute. If the recompute
+  changes one (a cache append done a second time), a :class:`CheckpointError`
+  names the module and the argument, because the side effect happened twice.
+  If the recompute fails while an argument differs from what the forward
+  started with (the forward appended to a cache it then reads), the error is
+  a :class:`CheckpointError` that says so, chained to the original one.
+  Arguments changed by the caller after the forward, or by a forward that
+  guards its side effect with ``if not remat.is_recomputing():``, are fine.
 """
 
 from __future__ import annotations
@@ -93,12 +97,25 @@ class _Watched:
         if fp is not None:  # a container or an object: it may gain tensors (an empty cache)
             self.items.append((label, obj, fp))
 
-    def changed(self) -> list[str]:
+    def now(self) -> list[Any]:
+        return [_fingerprint(obj) for _, obj, _ in self.items]
+
+    def differing(self, fps: list[Any]) -> list[str]:
+        """The arguments whose fingerprint now differs from ``fps``."""
         return [
             f"{label} ({type(obj).__name__})"
-            for label, obj, fp in self.items
+            for (label, obj, _), fp in zip(self.items, fps)
             if _fingerprint(obj) != fp
         ]
+
+    def at_forward_start(self) -> list[Any]:
+        return [fp for _, _, fp in self.items]
+
+
+_CACHE_TIP = (
+    "Pass use_cache=False while training with checkpointing, or guard the side effect with "
+    "`if not remat.is_recomputing():`."
+)
 
 
 class _Region:
@@ -121,16 +138,40 @@ class _Region:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not _config.is_recomputing():
             return self.forward(*args, **kwargs)
-        changed = self.watched.changed()
-        if changed:
-            name = type(self.module).__name__
-            raise CheckpointError(
-                f"remat.checkpoint_wrapper: {name}'s recompute would see {', '.join(changed)} "
-                "changed since its forward started: the forward changed it (for example a KV "
-                "cache append), and recomputing would change it again. Pass use_cache=False "
-                "while training with checkpointing, or guard the side effect with "
-                "`if not remat.is_recomputing():`."
-            )
+        watched = self.watched
+        if not watched.items:
+            return self._recompute(args, kwargs)
+        before = watched.now()
+        name = type(self.module).__name__
+        try:
+            out = self._recompute(args, kwargs)
+        except BaseException as exc:
+            again = watched.differing(before)
+            if again:
+                raise self._again(name, again) from exc
+            since = watched.differing(watched.at_forward_start())
+            if since and isinstance(exc, Exception) and not _is_stop(exc):
+                raise CheckpointError(
+                    f"remat.checkpoint_wrapper: {name}'s recompute failed while "
+                    f"{', '.join(since)} differed from what its forward started with: the "
+                    "forward changed it (for example a KV cache append) and the recompute read "
+                    f"the changed value. {_CACHE_TIP}"
+                ) from exc
+            raise
+        again = watched.differing(before)
+        if again:
+            raise self._again(name, again)
+        return out
+
+    @staticmethod
+    def _again(name: str, changed: list[str]) -> CheckpointError:
+        return CheckpointError(
+            f"remat.checkpoint_wrapper: {name}'s recompute changed {', '.join(changed)} again "
+            "after its forward had changed it: a side effect of the forward (for example a KV "
+            f"cache append) ran twice. {_CACHE_TIP}"
+        )
+
+    def _recompute(self, args: Any, kwargs: Any) -> Any:
         if self.snapshot is None:
             return self.forward(*args, **kwargs)
         # Outside any dispatch mode: selective checkpointing must not see these copies.
@@ -146,6 +187,13 @@ class _Region:
             with torch.no_grad(), _no_modes():
                 for b, value in after:
                     b.data.copy_(value)
+
+
+def _is_stop(exc: BaseException) -> bool:
+    """The engine's own early-stop signal, which is not a failure."""
+    from ._nonreentrant import _StopRecompute
+
+    return isinstance(exc, _StopRecompute)
 
 
 class _KeywordsAsPositional:
