@@ -277,3 +277,41 @@ def test_offload_keeps_views_dtypes_and_empty_tensors_exact_on_async_device(seed
         y.backward()
     assert torch.equal(x.grad, ref)
     assert stats.current_bytes == 0 and stats.offloaded_tensors >= 5
+
+
+def test_offload_context_backward_twice_with_retain_graph_on_async_device():
+    model, d = _ragged_mlp(4, layers=3)
+    x = torch.randn(9, d, requires_grad=True)
+    model(x).sum().backward()
+    ref = _grads(model, x)
+    _zero(model, x)
+    with simulated_device(4) as dev:
+        with remat.offload(min_bytes=0) as stats:
+            y = model(x).sum()
+        y.backward(retain_graph=True)
+        held = stats.current_bytes  # the retained graph still needs them
+        first = _grads(model, x)
+        _zero(model, x)
+        y.backward()
+        del y
+    for r, a, b in zip(ref, first, _grads(model, x)):
+        assert torch.equal(r, a) and torch.equal(r, b)
+    assert held == stats.offloaded_bytes > 0 and stats.current_bytes == 0
+    outs = sum(1 for k, _ in dev.copies if k == "out")
+    assert sum(1 for k, _ in dev.copies if k == "back") == 2 * outs
+
+
+def test_offload_around_checkpoint_on_async_device_moves_only_region_inputs():
+    model, d = _ragged_mlp(5, layers=4)
+    x = torch.randn(7, d, requires_grad=True)
+    model(x).sum().backward()
+    ref = _grads(model, x)
+    _zero(model, x)
+    with simulated_device(5) as dev:
+        with remat.offload(min_bytes=0):
+            h = x * 1.0
+            y = remat.checkpoint(model, h)
+        y.sum().backward()
+    for r, g in zip(ref, _grads(model, x)):
+        assert torch.equal(r, g)
+    assert [k for k, _ in dev.copies].count("out") == 1  # only the region's input
