@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -88,7 +89,7 @@ class SimOps:
         self.pending_writes: dict[int, int] = {}
         self.stream_of_write: dict[int, SimStream] = {}
         self.kept: set[tuple[int, int]] = set()
-        self.host: set[int] = set()
+        self.host: dict[int, weakref.ref[torch.Tensor]] = {}  # live host buffers by address
         self.host_buffers = 0
         self.copies: list[tuple[str, int]] = []  # ("out" | "back", nbytes), in issue order
         self.running = False
@@ -158,8 +159,8 @@ class SimOps:
         self.pending_writes[d] = self.pending_writes.get(d, 0) + 1
         self.pending_reads[r] = self.pending_reads.get(r, 0) + 1
         self.stream_of_write[d] = stream
-        self.copies.append(("back" if r in self.host else "out", src.nbytes))
-        src_is_device = r not in self.host
+        src_is_device = not self._is_host(r)
+        self.copies.append(("out" if src_is_device else "back", src.nbytes))
 
         def run() -> None:
             if self.last_write.get(r, 0) > self.compute.done:
@@ -204,9 +205,13 @@ class SimOps:
             buf = torch.full((nbytes,), 0xFF, dtype=torch.uint8)
         finally:
             self.running = False
-        self.host.add(_ptr(buf))
+        self.host[_ptr(buf)] = weakref.ref(buf)
         self.host_buffers += 1
         return buf
+
+    def _is_host(self, ptr: int) -> bool:
+        ref = self.host.get(ptr)
+        return ref is not None and ref() is not None
 
     def _enqueue(self, stream: SimStream, work: Callable[[], None]) -> None:
         stream.pending.append(work)

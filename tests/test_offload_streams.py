@@ -59,7 +59,9 @@ def test_offload_on_async_device_gives_bitwise_grads_over_repeated_steps(seed):
             for r, g in zip(ref, _grads(model, x)):
                 assert torch.equal(r, g), f"step {step}"
             assert stats.current_bytes == 0
-    assert ("out", x.nbytes) in dev.copies and any(kind == "back" for kind, _ in dev.copies)
+    assert ("out", x.nbytes) in dev.copies
+    outs = sorted(n for kind, n in dev.copies if kind == "out")
+    assert sorted(n for kind, n in dev.copies if kind == "back") == outs  # each back once
 
 
 def test_pinned_buffers_are_reused_across_steps_within_one_stash():
@@ -315,3 +317,36 @@ def test_offload_around_checkpoint_on_async_device_moves_only_region_inputs():
     for r, g in zip(ref, _grads(model, x)):
         assert torch.equal(r, g)
     assert [k for k, _ in dev.copies].count("out") == 1  # only the region's input
+
+
+def test_device_without_streams_gets_blocking_copies_with_same_grads(monkeypatch):
+    import remat._offload as engine
+
+    ops = engine._BlockingOps("mps")
+    copies = []
+    orig_copy = ops.copy
+    monkeypatch.setattr(
+        ops, "copy", lambda d, s, st: copies.append(s.nbytes) or orig_copy(d, s, st)
+    )
+    monkeypatch.setattr(engine, "_ops_for", lambda t: ops)
+    model, d = _ragged_mlp(6, layers=3)
+    x = torch.randn(5, d, requires_grad=True)
+    model(x).sum().backward()
+    ref = _grads(model, x)
+    _zero(model, x)
+    with remat.offload(min_bytes=0) as stats:
+        y = model(x)
+    y.sum().backward()
+    for r, g in zip(ref, _grads(model, x)):
+        assert torch.equal(r, g)
+    assert sum(copies) == 2 * stats.offloaded_bytes  # out and back, each once
+
+
+def test_meta_tensors_are_kept_as_they_are():
+    lin = torch.nn.Linear(8, 8, device="meta")
+    x = torch.randn(4, 8, device="meta", requires_grad=True)
+    with remat.offload(min_bytes=0) as stats:
+        y = lin(x).relu()
+    y.sum().backward()
+    assert x.grad is not None and x.grad.device.type == "meta"
+    assert stats.offloaded_tensors == 2

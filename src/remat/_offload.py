@@ -97,17 +97,60 @@ class _StreamOps:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
 
+class _BlockingOps(_StreamOps):
+    """For a device type without streams and events: plain copies, in program order."""
+
+    def __init__(self, device_type: str) -> None:
+        self.side = {}
+
+    def side_stream(self, device: torch.device) -> Any:
+        return None
+
+    def compute_stream(self, device: torch.device) -> Any:
+        return None
+
+    def record(self, stream: Any) -> Any:
+        return None
+
+    def wait(self, stream: Any, event: Any) -> None:
+        pass
+
+    def finished(self, event: Any) -> bool:
+        return True
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        dst.copy_(src)
+
+    def empty(
+        self, shape: torch.Size, dtype: torch.dtype, device: torch.device, stream: Any
+    ) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    def keep_until_done(self, t: torch.Tensor, stream: Any) -> None:
+        pass
+
+    def host_buffer(self, nbytes: int, pin: bool) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+
 _ops_cache: dict[str, _StreamOps] = {}
 
 
 def _ops_for(t: torch.Tensor) -> _StreamOps | None:
-    """The stream operations for ``t``'s device; None for host tensors (kept as they are)."""
+    """The stream operations for ``t``'s device; None for tensors kept as they are.
+
+    Host tensors (and meta tensors, which hold no data) are kept as they are.
+    A device type whose torch module has ``Stream`` and ``Event`` (CUDA, XPU,
+    ...) gets asynchronous copies; others (MPS) get plain blocking copies.
+    """
     kind = t.device.type
-    if kind == "cpu":
+    if kind == "cpu" or kind == "meta":
         return None
     ops = _ops_cache.get(kind)
     if ops is None:
-        ops = _ops_cache[kind] = _StreamOps(kind)
+        mod = torch.get_device_module(kind)
+        asynchronous = hasattr(mod, "Stream") and hasattr(mod, "Event")
+        ops = _ops_cache[kind] = _StreamOps(kind) if asynchronous else _BlockingOps(kind)
     return ops
 
 
@@ -164,6 +207,7 @@ class _Ticket:
         "back_done",
         "nbytes",
         "pos",
+        "fetched",
         "__weakref__",
     )
 
@@ -179,6 +223,7 @@ class _Ticket:
         self.last_copy: Any = None  # event of the latest copy that touches the host buffer
         self.back_done: Any = None
         self.pos = 0
+        self.fetched = False  # brought back at least once (prefetch does it only once)
 
 
 class HostStash:
@@ -243,6 +288,7 @@ class HostStash:
         tk.back_done = tk.last_copy = ops.record(side)
         ops.keep_until_done(dev, ops.compute_stream(tk.device))
         tk.back = dev
+        tk.fetched = True
 
     def get(self, tk: _Ticket | torch.Tensor) -> torch.Tensor:
         """Return the stashed tensor on its device, safe to read on the compute stream.
@@ -285,7 +331,7 @@ class HostStash:
             return
         for j in range(i - 1, max(i - 1 - _PREFETCH_DEPTH, -1), -1):
             other = self.order[j]()
-            if other is not None and other.back_done is None and other.host is not None:
+            if other is not None and not other.fetched and other.host is not None:
                 self._bring_back(other)
 
 
