@@ -350,3 +350,14 @@ def test_meta_tensors_are_kept_as_they_are():
     y.sum().backward()
     assert x.grad is not None and x.grad.device.type == "meta"
     assert stats.offloaded_tensors == 2
+
+
+def test_pinned_pool_size_classes_waste_at_most_an_eighth_above_4k():
+    from remat._offload import _PinnedPool
+
+    size = _PinnedPool._size_class
+    assert [size(n) for n in (0, 1, 3, 100, 4096)] == [2, 2, 4, 128, 4096]
+    for n in [4097, 5000, 65535, 10**6, 123_456_789]:
+        c = size(n)
+        assert n <= c <= n * 1.125 + 1
+        assert size(c) == c  # a class serves its own size
