@@ -293,3 +293,31 @@ def simulated_device(seed: int = 0, progress: float = 0.3) -> Iterator[SimOps]:
     finally:
         engine._ops_for = orig  # type: ignore[assignment]
         engine._thread_stash.reset(token)
+
+
+@contextlib.contextmanager
+def stash_events() -> Iterator[list[tuple[str, int]]]:
+    """Record ``("get", i)`` and ``("back", i)`` for the ``i``-th stashed tensor (real or simulated)."""
+    tickets: list[Any] = []
+    events: list[tuple[str, int]] = []
+    stash = engine.HostStash
+    orig_put, orig_get, orig_back = stash.put, stash.get, stash._bring_back
+
+    def put(self: Any, t: torch.Tensor) -> Any:
+        tk = orig_put(self, t)
+        tickets.append(tk)
+        return tk
+
+    def get(self: Any, tk: Any) -> torch.Tensor:
+        events.append(("get", tickets.index(tk)))
+        return orig_get(self, tk)
+
+    def back(self: Any, tk: Any) -> None:
+        events.append(("back", tickets.index(tk)))
+        orig_back(self, tk)
+
+    stash.put, stash.get, stash._bring_back = put, get, back  # type: ignore[method-assign]
+    try:
+        yield events
+    finally:
+        stash.put, stash.get, stash._bring_back = orig_put, orig_get, orig_back  # type: ignore[method-assign]

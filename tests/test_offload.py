@@ -220,36 +220,17 @@ def test_offload_policy_regions_share_one_stash_per_thread():
 @needs_cuda
 @pytest.mark.gpu
 def test_backward_prefetches_the_previous_regions_offloaded_outputs():
-    from remat._offload import HostStash
-
-    tickets, events = [], []
-    orig_put, orig_get, orig_back = HostStash.put, HostStash.get, HostStash._bring_back
-
-    def put(self, t):
-        tk = orig_put(self, t)
-        tickets.append(tk)
-        return tk
-
-    def get(self, tk):
-        events.append(("get", tickets.index(tk)))
-        return orig_get(self, tk)
-
-    def back(self, tk):
-        events.append(("back", tickets.index(tk)))
-        return orig_back(self, tk)
+    from simdevice import stash_events
 
     ctx_fn = functools.partial(
         remat.create_selective_checkpoint_contexts, remat.policies.offload_matmuls()
     )
     lin = torch.nn.Linear(256, 256, device="cuda")
     x = torch.randn(512, 256, device="cuda", requires_grad=True)
-    HostStash.put, HostStash.get, HostStash._bring_back = put, get, back
-    try:
+    with stash_events() as events:
         h = remat.checkpoint(lambda t: lin(t).tanh(), x, context_fn=ctx_fn)
         h = remat.checkpoint(lambda t: lin(t).tanh(), h, context_fn=ctx_fn)
         h.sum().backward()
-    finally:
-        HostStash.put, HostStash.get, HostStash._bring_back = orig_put, orig_get, orig_back
     # region 2's recompute fetches its output and prefetches region 1's, which is then ready
     assert events[:3] == [("get", 1), ("back", 1), ("back", 0)]
     assert events.count(("back", 0)) == 1

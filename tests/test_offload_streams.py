@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import functools
 import random
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from simdevice import RaceError, simulated_device
+from simdevice import RaceError, simulated_device, stash_events
 
 import remat
 from remat._apply import apply_decision
-from remat._offload import HostStash
 
 SEEDS = [0, 1, 2, 3, 4, 5]
 
@@ -40,6 +40,16 @@ def _grads(model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
 def _zero(model: torch.nn.Module, x: torch.Tensor) -> None:
     model.zero_grad(set_to_none=True)
     x.grad = None
+
+
+def _with_reference(seed: int, layers: int, rows: int) -> tuple[Any, torch.Tensor, list[Any]]:
+    """A ragged MLP, an input, and the plain run's gradients of ``model(x).sum()``."""
+    model, d = _ragged_mlp(seed, layers=layers)
+    x = torch.randn(rows, d, requires_grad=True)
+    model(x).sum().backward()
+    ref = _grads(model, x)
+    _zero(model, x)
+    return model, x, ref
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -114,11 +124,7 @@ def test_offload_policies_on_async_device_match_plain_run_and_never_recompute_ma
 
 
 def test_offload_policy_second_backward_with_retain_graph_copies_back_again():
-    model, d = _ragged_mlp(1, layers=2)
-    x = torch.randn(8, d, requires_grad=True)
-    model(x).sum().backward()
-    ref = _grads(model, x)
-    _zero(model, x)
+    model, x, ref = _with_reference(1, layers=2, rows=8)
     ctx_fn = functools.partial(
         remat.create_selective_checkpoint_contexts, remat.policies.offload_matmuls()
     )
@@ -135,35 +141,16 @@ def test_offload_policy_second_backward_with_retain_graph_copies_back_again():
 
 
 def test_backward_prefetches_previous_regions_outputs_on_async_device():
-    tickets, events = [], []
-    orig_put, orig_get, orig_back = HostStash.put, HostStash.get, HostStash._bring_back
-
-    def put(self, t):
-        tk = orig_put(self, t)
-        tickets.append(tk)
-        return tk
-
-    def get(self, tk):
-        events.append(("get", tickets.index(tk)))
-        return orig_get(self, tk)
-
-    def back(self, tk):
-        events.append(("back", tickets.index(tk)))
-        return orig_back(self, tk)
-
     ctx_fn = functools.partial(
         remat.create_selective_checkpoint_contexts, remat.policies.offload_matmuls()
     )
     lin = torch.nn.Linear(16, 16)
     x = torch.randn(8, 16, requires_grad=True)
-    HostStash.put, HostStash.get, HostStash._bring_back = put, get, back
-    try:
+    with stash_events() as events:
         with simulated_device(0):
             h = remat.checkpoint(lambda t: lin(t).tanh(), x, context_fn=ctx_fn)
             h = remat.checkpoint(lambda t: lin(t).tanh(), h, context_fn=ctx_fn)
             h.sum().backward()
-    finally:
-        HostStash.put, HostStash.get, HostStash._bring_back = orig_put, orig_get, orig_back
     # region 2's recompute fetches its output and prefetches region 1's, which is then ready
     assert events == [("get", 1), ("back", 1), ("back", 0), ("get", 0)]
 
@@ -282,11 +269,7 @@ def test_offload_keeps_views_dtypes_and_empty_tensors_exact_on_async_device(seed
 
 
 def test_offload_context_backward_twice_with_retain_graph_on_async_device():
-    model, d = _ragged_mlp(4, layers=3)
-    x = torch.randn(9, d, requires_grad=True)
-    model(x).sum().backward()
-    ref = _grads(model, x)
-    _zero(model, x)
+    model, x, ref = _with_reference(4, layers=3, rows=9)
     with simulated_device(4) as dev:
         with remat.offload(min_bytes=0) as stats:
             y = model(x).sum()
@@ -304,11 +287,7 @@ def test_offload_context_backward_twice_with_retain_graph_on_async_device():
 
 
 def test_offload_around_checkpoint_on_async_device_moves_only_region_inputs():
-    model, d = _ragged_mlp(5, layers=4)
-    x = torch.randn(7, d, requires_grad=True)
-    model(x).sum().backward()
-    ref = _grads(model, x)
-    _zero(model, x)
+    model, x, ref = _with_reference(5, layers=4, rows=7)
     with simulated_device(5) as dev:
         with remat.offload(min_bytes=0):
             h = x * 1.0
@@ -329,11 +308,7 @@ def test_device_without_streams_gets_blocking_copies_with_same_grads(monkeypatch
         ops, "copy", lambda d, s, st: copies.append(s.nbytes) or orig_copy(d, s, st)
     )
     monkeypatch.setattr(engine, "_ops_for", lambda t: ops)
-    model, d = _ragged_mlp(6, layers=3)
-    x = torch.randn(5, d, requires_grad=True)
-    model(x).sum().backward()
-    ref = _grads(model, x)
-    _zero(model, x)
+    model, x, ref = _with_reference(6, layers=3, rows=5)
     with remat.offload(min_bytes=0) as stats:
         y = model(x)
     y.sum().backward()
