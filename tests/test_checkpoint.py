@@ -123,16 +123,20 @@ def test_module_and_output_structure_preserved():
 
 
 def nested_fn(
-    ck: Callable[..., Any], depth: int, counts: list[int], level: int = 0
+    ck: Callable[..., Any], depth: int, counts: list[int], w: torch.Tensor, level: int = 0
 ) -> Callable[[torch.Tensor], Any]:
-    """A function whose body checkpoints the next level with ``ck``; counts calls per level."""
+    """A function whose body checkpoints the next level with ``ck``; counts calls per level.
+
+    ``w`` is a parameter every level reads from its closure (not a region input), and
+    each level uses its own input again after the inner region.
+    """
 
     def f(x: torch.Tensor) -> torch.Tensor:
         counts[level] += 1
-        h = (x * 1.5).sin()
+        h = (x * w).sin()
         if level + 1 < depth:
-            h = ck(nested_fn(ck, depth, counts, level + 1), h)
-        return h.exp().cos()
+            h = ck(nested_fn(ck, depth, counts, w, level + 1), h)
+        return (h.exp() + x).cos()
 
     return f
 
@@ -140,7 +144,7 @@ def nested_fn(
 @pytest.mark.parametrize("depth", [2, 3])  # checkpoint inside checkpoint (inside checkpoint)
 @pytest.mark.parametrize("early_stop", [True, False])
 def test_nested_checkpoints_give_uncheckpointed_grads_and_torch_recompute_counts(depth, early_stop):
-    x = data(5)
+    x, w = data(5), data(5, seed=2)
     results = {}
     for runner in RUNNERS:
         counts = [0] * depth
@@ -149,7 +153,7 @@ def test_nested_checkpoints_give_uncheckpointed_grads_and_torch_recompute_counts
         def ck(fn, *a, runner=runner, kwargs=kwargs):
             return runner(fn, *a, **kwargs)
 
-        grads = losses_and_grads(ck, nested_fn(ck, depth, counts), (x,), [x])
+        grads = losses_and_grads(ck, nested_fn(ck, depth, counts, w), (x,), [x, w])
         results[runner.__name__] = (grads, counts)
     assert_all_equal(results["plain"][0], results["ours"][0])
     assert_all_equal(results["theirs"][0], results["ours"][0])
@@ -476,15 +480,19 @@ def test_exception_in_forward_restores_state_and_propagates():
     x = data(4)
 
     def f(t):
+        torch.rand(3)  # the forward's own random op runs, as in the plain call
         t.sin()
         raise Boom("in forward")
 
     torch.manual_seed(5)
-    before = snapshot()
+    with pytest.raises(Boom, match="in forward"):
+        f(x)
+    expected = snapshot()  # the state a plain call leaves behind when it raises
+    torch.manual_seed(5)
     with pytest.raises(Boom, match="in forward"):
         remat.checkpoint(f, x, debug=True)
-    assert_state(before)
-    assert before[3:5] == (False, False)
+    assert_state(expected)  # RNG advanced as plain, hooks popped, no region left open
+    assert expected[3:5] == (False, False)
 
 
 @pytest.mark.parametrize(
@@ -519,22 +527,46 @@ def test_exception_in_recompute_restores_state(where, grad_mode):
         assert_state(before)
 
 
-def test_exception_in_backward_of_a_recomputed_op_restores_state():
-    class Fails(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, t):
-            ctx.save_for_backward(t)
-            return t * 2
+class SavesInput(torch.autograd.Function):
+    """``t * 2`` saving ``t``; its backward first calls the ``on_backward(ctx)`` it was given."""
 
-        @staticmethod
-        def backward(ctx, g):
-            (t,) = ctx.saved_tensors
-            raise Boom("in backward")
+    @staticmethod
+    def forward(ctx, t, on_backward):
+        ctx.save_for_backward(t)
+        ctx.on_backward = on_backward
+        return t * 2
 
+    @staticmethod
+    def backward(ctx, g):
+        ctx.on_backward(ctx)
+        return g * 2, None
+
+
+def raise_in_backward(ctx):
+    (_t,) = ctx.saved_tensors
+    raise Boom("in backward")
+
+
+def unpack_twice(ctx):
+    (_a,) = ctx.saved_tensors
+    (_b,) = ctx.saved_tensors  # remat hands each recomputed tensor out once per backward
+
+
+@pytest.mark.parametrize(
+    "on_backward, error, match",
+    [
+        (raise_in_backward, Boom, "in backward"),  # the op's own backward raises
+        (unpack_twice, remat.CheckpointError, "unpacked twice"),  # a clear error, not a crash
+    ],
+    ids=["op-backward-raises", "saved-tensor-unpacked-twice"],
+)
+def test_error_in_backward_of_a_recomputed_op_propagates_and_restores_state(
+    on_backward, error, match
+):
     x = data(4)
-    out = remat.checkpoint(lambda t: Fails.apply(t.sin()), x)
+    out = remat.checkpoint(lambda t: SavesInput.apply(t.sin(), on_backward), x)
     before = snapshot()
-    with pytest.raises(Boom):
+    with pytest.raises(error, match=match):
         out.sum().backward()
     assert_state(before)
 

@@ -52,6 +52,21 @@ def referee(run):
     return peak, max(between, cur), cur
 
 
+def tracked_training_step(model, x):
+    """Run ``model(x).sum().backward()`` tracked, under the profiler: (tracker, referee)."""
+    box = {}
+
+    def step():
+        with remat.memory.track() as t:
+            out = model(x).sum()
+            out.backward()
+            del out
+        box["t"] = t
+
+    ref = referee(step)
+    return box["t"], ref
+
+
 @pytest.mark.parametrize("n", [1, 3, 6])
 def test_chain_of_linear_relu_forward_bytes_are_exact(n):
     model = chain(n)
@@ -70,17 +85,7 @@ def test_chain_forward_backward_equals_profiler_referee(n):
     model = chain(n)
     x = torch.randn(B, D, requires_grad=True)
     model(x).sum().backward()  # warm up: grads exist, so backward accumulates in place
-    box = {}
-
-    def step():
-        with remat.memory.track() as t:
-            out = model(x).sum()
-            out.backward()
-            del out
-        box["t"] = t
-
-    ref_peak, ref_between, ref_cur = referee(step)
-    t = box["t"]
+    t, (ref_peak, ref_between, ref_cur) = tracked_training_step(model, x)
     assert t.peak_bytes == ref_peak == ref_between  # Linear/ReLU kernels use no scratch
     assert t.current_bytes == ref_cur
 
@@ -231,18 +236,11 @@ def test_gpt_block_step_bytes_equal_profiler_referee():
     assert box["t"].peak_bytes == ref_between
     del box["y"]
 
-    def step():
-        with remat.memory.track() as t:
-            out = block(x).sum()
-            out.backward()
-            del out
-        box["t"] = t
-
-    ref_peak, ref_between, ref_cur = referee(step)
-    assert box["t"].current_bytes == ref_cur == 0  # gradients accumulate in place
-    assert box["t"].peak_bytes == ref_between
+    t, (ref_peak, ref_between, ref_cur) = tracked_training_step(block, x)
+    assert t.current_bytes == ref_cur == 0  # gradients accumulate in place
+    assert t.peak_bytes == ref_between
     # mm, layer_norm and attention backward use scratch that the tracker leaves out
-    assert box["t"].peak_bytes < ref_peak
+    assert t.peak_bytes < ref_peak
 
 
 PARAM = D * D * 4 + D * 4  # one Linear's weight and bias

@@ -1,4 +1,4 @@
-"""RNG and autocast replay in recompute, and the global RNG state after backward.
+"""RNG, autocast and default-device replay in recompute; the global RNG state after backward.
 
 Reference: the same code without checkpointing, from the same seed; results
 bitwise equal. GPU variants carry the ``gpu`` marker and skip without CUDA.
@@ -208,3 +208,30 @@ def test_cuda_autocast_replayed_in_recompute(use_reentrant):
     ref = run(lambda f, *a: f(*a))
     got = run(lambda f, *a: remat.checkpoint(f, *a, use_reentrant=use_reentrant))
     assert_all_equal(ref, got)
+
+
+# ------------------------------------------------------------------ default device
+
+
+@pytest.mark.parametrize("use_reentrant", VARIANTS)
+def test_recompute_replays_the_forward_default_device_context(use_reentrant):
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+
+    def device_modes():
+        modes = _get_current_function_mode_stack()
+        return [m.device for m in modes if isinstance(m, DeviceContext)]
+
+    seen = []
+
+    def f(t):
+        seen.append(device_modes())
+        return t.sin() * torch.ones(3)
+
+    x = data(3)
+    with torch.device("cpu"):
+        out = remat.checkpoint(f, x, use_reentrant=use_reentrant)
+    out.sum().backward()  # outside the `with`: the recompute must see the forward's device
+    assert seen == [[torch.device("cpu")], [torch.device("cpu")]]
+    assert device_modes() == []  # and the context does not leak out of backward
+    assert torch.equal(x.grad, x.detach().cos())

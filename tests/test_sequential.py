@@ -165,10 +165,11 @@ def test_empty_functions_rejected():
         torch.sin,  # a single callable
         "abc",  # a string is a sequence, not of callables
         {"a": torch.sin},  # a mapping
+        torch.nn.Linear(2, 2),  # a module that is not an nn.Sequential
     ],
 )
 def test_functions_must_be_a_sequence(functions):
-    with pytest.raises(TypeError, match="functions must be"):
+    with pytest.raises(TypeError, match="functions must be an nn.Sequential or a list"):
         remat.checkpoint_sequential(functions, 1, data())
 
 
