@@ -265,9 +265,17 @@ class _Checker(TorchDispatchMode):
             # the compute stream finishes this operator later: what it wrote is pending
             ops.compute.issued += 1
             pos = ops.compute.issued
+            inputs = {
+                _ptr(t)
+                for t in tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor) and t.device.type != "meta"
+            }
             for t in tree_leaves(out):
+                # fresh memory only: an output aliasing an input (_unsafe_view) writes nothing
                 if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                    ops.last_write[_ptr(t)] = pos
+                    p = _ptr(t)
+                    if p not in inputs:
+                        ops.last_write[p] = pos
             for i, a in enumerate(func._schema.arguments):
                 if a.alias_info is not None and a.alias_info.is_write and i < len(args):
                     for t in tree_leaves(args[i]):

@@ -89,7 +89,7 @@ def test_bench_remat_selective_keeps_no_more_than_torch_selective(bench_json):
 def test_bench_prints_header_and_table(bench_json):
     out = bench_json[1]
     assert "remat bench: torch" in out and "strategy" in out and "torch-wrapper" in out
-    assert "skipped on cpu: offload (needs a device" in out  # device-only, said, not silent
+    assert "skipped on cpu: offload, offload-blocks (needs a device" in out  # said, not silent
 
 
 # Error cases run in-process (``main(argv)`` is what the console script calls): each

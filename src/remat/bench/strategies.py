@@ -98,6 +98,13 @@ def _torch_wrapper(model: nn.Module, example: Any, every: int = 1) -> None:
         blocks[i] = checkpoint_wrapper(blocks[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
 
 
+def _offload_blocks(model: nn.Module, example: Any) -> None:
+    from .._apply import apply_decision
+
+    for block in _blocks(model):
+        apply_decision(block, "offload")  # the planner's "offload": offload(), no recompute
+
+
 def _blocks(model: nn.Module) -> nn.ModuleList:
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, nn.ModuleList):
@@ -123,6 +130,12 @@ def registry() -> dict[str, Strategy]:
             "offload",
             "remat, matmul outputs kept in host memory, the rest recomputed",
             _set_runner(_remat_offload),
+            device_only=True,
+        ),
+        Strategy(
+            "offload-blocks",
+            "remat.offload around every block: saved tensors in host memory, nothing recomputed",
+            _offload_blocks,
             device_only=True,
         ),
         Strategy("torch-full", "torch.utils.checkpoint on every block", _set_runner(_torch_full)),
@@ -204,6 +217,7 @@ DEFAULT = (
     "every-2nd",
     "selective",
     "offload",
+    "offload-blocks",
     "torch-full",
     "torch-selective",
     "torch-wrapper",
