@@ -111,6 +111,18 @@ def test_profile_leaves_the_model_as_it_was():
     assert repr(model) == before
 
 
+def test_profile_leaves_input_gradients_as_they_were():
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
+    x = torch.randn(4, 8, requires_grad=True)
+    fresh = torch.randn(4, 8, requires_grad=True)
+    x.grad = torch.full((4, 8), 7.0)
+    mine = x.grad
+    remat.profile(model, x, timer="flops")
+    remat.profile(model, fresh, timer="flops")
+    assert x.grad is mine and torch.equal(mine, torch.full((4, 8), 7.0))
+    assert fresh.grad is None
+
+
 def test_plan_table_and_apply_to_wrong_model():
     model = build(CFG)
     p = remat.plan(remat.profile(model, example_input(CFG), timer="flops"), "60%")

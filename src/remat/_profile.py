@@ -252,6 +252,10 @@ def profile(
     cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
 
     step_costs: list[float] = []
+    inputs: list[torch.Tensor] = []
+    tensors_in((args, kwargs), inputs)
+    inputs = [t for t in inputs if t.is_leaf and t.requires_grad]
+    input_grads = [(t, t.grad) for t in inputs]  # put back afterwards: the steps are not the user's
 
     def step() -> None:
         start = time.thread_time() if device.type == "cpu" and threads == 1 else time.perf_counter()
@@ -269,7 +273,13 @@ def profile(
     times: dict[str, dict[str, float]] = {}
     top = unchecked = 0
     try:
-        step()  # warm-up: gradients exist from here on and are reused (zeroed in place)
+        # The inputs' gradients are the profile's own from here on (the user's come back at
+        # the end). Warm-up: lazy modules make their parameters, kernels and the allocator
+        # warm up (a cold first step is far slower), and every gradient exists from here on
+        # and is reused (zeroed in place), so the tracked steps see activations only.
+        for t in inputs:
+            t.grad = None
+        step()
         model.zero_grad(set_to_none=False)
         clock = _clock(device, threads) if timer == "time" else None
         for d in decisions:
@@ -307,6 +317,8 @@ def profile(
         if timer == "flops":
             times = _flop_costs(model, blocks, args, kwargs, loss_fn, decisions)
     finally:
+        for t, g in input_grads:
+            t.grad = g
         restore_state(blocks, saved_state)
         torch.set_rng_state(rng)
         if cuda_rng is not None:
