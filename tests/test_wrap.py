@@ -560,3 +560,32 @@ def test_offload_to_cpu_moves_region_inputs_off_the_device():
     assert torch.cuda.memory_allocated() <= kept_plain - 2048 * d * 4 + 4096
     y2.sum().backward()
     assert torch.allclose(x.grad, ref_grad)
+
+
+class _TiedHead(nn.Module):
+    """Reads a weight it does not own (tied to an embedding elsewhere, not registered here)."""
+
+    def __init__(self, emb):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.__dict__["tied"] = emb.weight
+
+    def forward(self, x):
+        return (self.lin(x) @ self.tied.t()).tanh()
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_weight_the_module_reads_but_does_not_own_still_gets_its_gradient(use_reentrant):
+    torch.manual_seed(0)
+    emb = nn.Embedding(5, 8)
+    head = _TiedHead(emb)
+    x = torch.randn(3, 8, requires_grad=True)
+    head(x).sum().backward()
+    ref = [emb.weight.grad.clone(), x.grad.clone()] + [p.grad.clone() for p in head.parameters()]
+    emb.weight.grad = x.grad = None
+    head.zero_grad(set_to_none=True)
+    remat.checkpoint_wrapper(head, use_reentrant=use_reentrant)
+    head(x).sum().backward()
+    got = [emb.weight.grad, x.grad] + [p.grad for p in head.parameters()]
+    for r, g in zip(ref, got):
+        assert g is not None and torch.equal(r, g)

@@ -144,11 +144,18 @@ class _ReentrantCheckpoint(torch.autograd.Function):
             # friends see each parameter used once), not into .grad by a nested backward.
             wanted = [x for x in detached if isinstance(x, torch.Tensor) and x.requires_grad]
             wanted += [p for p in ctx.params if p.requires_grad]
+            # Leaves the region reads but does not own (a weight tied to another module's):
+            # they get their gradients from a nested backward, as without the parameters.
+            foreign = _foreign_leaves(outs, wanted) if outs else []
             got = iter(
-                torch.autograd.grad(outs, wanted, out_grads, allow_unused=True)
+                torch.autograd.grad(
+                    outs, wanted, out_grads, allow_unused=True, retain_graph=bool(foreign)
+                )
                 if outs and wanted
                 else [None] * len(wanted)
             )
+            if foreign:
+                torch.autograd.backward(outs, out_grads, inputs=foreign)
             input_grads = tuple(
                 next(got) if isinstance(x, torch.Tensor) and x.requires_grad else None
                 for x in detached
@@ -159,6 +166,33 @@ class _ReentrantCheckpoint(torch.autograd.Function):
             torch.autograd.backward(outs, out_grads)
         input_grads = tuple(x.grad if isinstance(x, torch.Tensor) else None for x in detached)
         return (None, None, None, None) + input_grads
+
+
+def _foreign_leaves(outs: list[torch.Tensor], known: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Leaves requiring grad that the graph of ``outs`` reaches, other than ``known``."""
+    known_ids = {id(t) for t in known}
+    found: list[torch.Tensor] = []
+    seen: set[Any] = set()
+    stack = []
+    for o in outs:
+        if o.grad_fn is not None:
+            stack.append(o.grad_fn)
+        elif id(o) not in known_ids:
+            found.append(o)  # a leaf returned as it is
+            known_ids.add(id(o))
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)  # AccumulateGrad
+        if leaf is not None:
+            if id(leaf) not in known_ids:
+                found.append(leaf)
+                known_ids.add(id(leaf))
+            continue
+        stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+    return found
 
 
 def run_reentrant(
