@@ -183,3 +183,10 @@ def test_reentrant_under_no_grad_just_calls_the_function():
     with torch.no_grad():
         out = remat.checkpoint(f, x, use_reentrant=True)
     assert seen == [False] and out.grad_fn is None
+
+
+def test_reentrant_accepts_torch_noop_context_fn_passed_explicitly():
+    x = torch.randn(3, requires_grad=True)
+    y = remat.checkpoint(torch.sin, x, use_reentrant=True, context_fn=tuc.noop_context_fn)
+    y.sum().backward()
+    assert torch.equal(x.grad, x.detach().cos())

@@ -8,12 +8,16 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+import torch.utils.checkpoint as _tuc
 
 from . import _config
 from ._nonreentrant import run_nonreentrant
 from ._reentrant import run_reentrant
 
 _CHECKS = ("default", "none", "values")
+
+
+_torch_noop = _tuc.noop_context_fn
 
 
 def noop_context_fn() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
@@ -104,6 +108,8 @@ def checkpoint(
     """
     if use_reentrant is None:
         use_reentrant = False
+    if context_fn is _torch_noop:  # torch's default passed explicitly: the same as ours
+        context_fn = noop_context_fn
     if torch.compiler.is_compiling():
         return _compiled(
             function,
@@ -168,7 +174,7 @@ def _compiled(
     # not even torch's own noop default passed explicitly: leave it out then.
     if context_fn is not noop_context_fn:
         kwargs = {**kwargs, "context_fn": context_fn}
-    return torch.utils.checkpoint.checkpoint(
+    return _tuc.checkpoint(
         function,
         *args,
         use_reentrant=use_reentrant,
