@@ -11,7 +11,7 @@ from torch import nn
 
 from . import memory
 from ._plan import Plan, parse_budget, plan
-from ._profile import _loss, profile
+from ._profile import BufferSnapshot, _loss, check_grad_enabled, profile
 
 log = logging.getLogger("remat")
 
@@ -24,8 +24,9 @@ def measure_peak(
 ) -> int:
     """Peak activation bytes of one training step (gradients allocated beforehand).
 
-    The step starts from the current RNG state, which is restored afterwards;
-    gradients are left zeroed.
+    The step starts from the current RNG state, which is restored afterwards,
+    as are the model's buffers (BatchNorm running statistics); gradients are
+    left zeroed.
 
     Example:
         >>> import torch, remat
@@ -33,14 +34,20 @@ def measure_peak(
         >>> remat.measure_peak(model, torch.randn(4, 8)) > 0
         True
     """
+    check_grad_enabled("remat.measure_peak")
     rng = torch.get_rng_state()
-    _loss(model(*args, **kwargs), loss_fn).backward()  # allocate gradients first
-    model.zero_grad(set_to_none=False)
-    torch.set_rng_state(rng)
-    with memory.track() as t:
-        _loss(model(*args, **kwargs), loss_fn).backward()
-    model.zero_grad(set_to_none=False)
-    torch.set_rng_state(rng)
+    buffers = BufferSnapshot(model)
+    try:
+        # allocate gradients first
+        _loss(model(*args, **kwargs), loss_fn, "remat.measure_peak").backward()
+        model.zero_grad(set_to_none=False)
+        torch.set_rng_state(rng)
+        with memory.track() as t:
+            _loss(model(*args, **kwargs), loss_fn, "remat.measure_peak").backward()
+        model.zero_grad(set_to_none=False)
+    finally:
+        buffers.restore()
+        torch.set_rng_state(rng)
     return t.peak_bytes
 
 
@@ -83,6 +90,7 @@ def auto_checkpoint(
         >>> p.predicted_peak_bytes <= p.budget_bytes
         True
     """
+    check_grad_enabled("remat.auto_checkpoint")
     prof = profile(model, *args, loss_fn=loss_fn, check_fn=check_fn, timer=timer, **kwargs)
     target = parse_budget(budget, prof.unchecked_peak_bytes)
     goal = target
@@ -92,7 +100,7 @@ def auto_checkpoint(
         measured = measure_peak(model, *args, loss_fn=loss_fn, **kwargs)
         if measured <= target or attempt == 3:
             break
-        goal -= measured - target
+        goal = max(1, goal - (measured - target))  # below 1 byte plan() raises PlanError
         if not quiet:
             log.warning(
                 "remat.auto_checkpoint: measured peak %d B is over the budget %d B; planning "

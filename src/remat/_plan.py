@@ -54,6 +54,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -95,31 +96,48 @@ def predicted_cost(blocks: Sequence[BlockCosts], decisions: Sequence[str]) -> fl
 
 
 def parse_budget(budget: int | float | str, reference: int) -> int:
-    """Bytes from ``budget``: an int of bytes, or a string ``"60%"`` of ``reference``.
+    """Bytes from ``budget``: bytes (an int, or ``"1.5GiB"``), or a string ``"60%"`` of ``reference``.
+
+    A percentage must be above ``0%`` (which can never be met); ``100%`` or
+    more is met by keeping every block.
 
     Example:
-        >>> parse_budget("50%", 1000), parse_budget(2048, 1000)
-        (500, 2048)
+        >>> parse_budget("50%", 1000), parse_budget(2048, 1000), parse_budget("1.5KiB", 1000)
+        (500, 2048, 1536)
     """
-    if isinstance(budget, bool):
-        raise TypeError(f"plan: budget must be bytes or a percentage string, got {budget!r}.")
-    if isinstance(budget, (int, float)):
-        if budget <= 0:
-            raise ValueError(f"plan: budget must be > 0 bytes, got {budget}.")
-        return int(budget)
-    if isinstance(budget, str):
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*%\s*", budget)
-        if m:
-            return int(reference * float(m.group(1)) / 100)
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", budget, re.IGNORECASE)
-        if m:
-            unit = (m.group(2) or "B").upper().replace("I", "")
-            scale = {"B": 1, "KB": 2**10, "MB": 2**20, "GB": 2**30}[unit]
-            return int(float(m.group(1)) * scale)
-    raise ValueError(
-        f"plan: cannot read budget {budget!r}. Pass bytes (an int), a percentage of the "
-        "unchecked peak such as '60%', or a size such as '18GiB'."
+    hint = (
+        "Pass bytes (a positive int such as 2**30), a size such as '1.5GiB', or a percentage "
+        "of the unchecked activation peak above 0% such as '60%'."
     )
+    if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
+        raise TypeError(f"remat.plan: budget must be bytes or a string, got {budget!r}. {hint}")
+    if isinstance(budget, (int, float)):
+        if not math.isfinite(budget) or budget < 1:
+            raise ValueError(f"remat.plan: budget must be >= 1 byte, got {budget!r}. {hint}")
+        return int(budget)
+    m = re.fullmatch(r"\s*([+-]?\d+(?:\.\d+)?)\s*%\s*", budget)
+    if m:
+        pct = float(m.group(1))
+        if not pct > 0:
+            raise ValueError(
+                f"remat.plan: budget percentage must be above 0%, got {budget!r}. {hint}"
+            )
+        out = int(reference * pct / 100)
+        if out < 1:
+            raise ValueError(
+                f"remat.plan: budget {budget!r} of the unchecked peak ({reference} bytes) is "
+                f"0 bytes. {hint}"
+            )
+        return out
+    m = re.fullmatch(r"\s*([+-]?\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", budget, re.IGNORECASE)
+    if m:
+        unit = (m.group(2) or "B").upper().replace("I", "")
+        scale = {"B": 1, "KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}[unit]
+        out = int(float(m.group(1)) * scale)
+        if out < 1:
+            raise ValueError(f"remat.plan: budget must be >= 1 byte, got {budget!r}. {hint}")
+        return out
+    raise ValueError(f"remat.plan: cannot read budget {budget!r}. {hint}")
 
 
 def _choices(blocks: Sequence[BlockCosts], allowed: Sequence[str]) -> list[list[str]]:
@@ -357,7 +375,8 @@ def plan(profile: Any, budget: int | float | str, *, solver: str = "auto") -> Pl
     Args:
         profile: a :class:`~remat.Profile` from :func:`remat.profile`.
         budget: bytes of activation memory (an int, or ``"18GiB"``), or a
-            percentage of the profile's unchecked activation peak (``"60%"``).
+            percentage above ``0%`` of the profile's unchecked activation peak
+            (``"60%"``). Anything else raises ``ValueError``/``TypeError`` naming it.
         solver: ``"milp"`` (HiGHS via scipy, the ``remat[plan]`` extra),
             ``"dp"`` (exact dynamic program, no dependency) or ``"auto"``
             (milp when scipy is installed, else dp). Both are exact.

@@ -105,12 +105,55 @@ def candidates(model: nn.Module, check_fn: Callable[[str, nn.Module], bool] | No
     return names
 
 
-def _loss(out: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tensor:
+def _loss(
+    out: Any, loss_fn: Callable[[Any], torch.Tensor] | None, where: str = "remat.profile"
+) -> torch.Tensor:
     if loss_fn is not None:
         return loss_fn(out)
+    tensors: list[torch.Tensor] = []
+    tensors_in(out, tensors)
+    if not any(t.is_floating_point() and t.requires_grad for t in tensors):
+        raise ValueError(
+            f"{where}: the model's output holds no floating tensor that requires grad (are all "
+            "its parameters frozen, requires_grad=False, and no input requires grad?); there is "
+            "no backward to plan for. Pass loss_fn=... that turns the output into a scalar loss "
+            "that requires grad."
+        )
     from ._verify import _default_loss
 
     return _default_loss(out)
+
+
+def check_grad_enabled(where: str) -> None:
+    """Raise a clear error when called under ``torch.no_grad()`` / ``inference_mode()``."""
+    if not torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{where} was called with gradients disabled (inside torch.no_grad() or "
+            "torch.inference_mode()); it runs training steps (forward and backward) to measure "
+            f"them. Call it outside that block, or wrap the call in torch.enable_grad()."
+        )
+
+
+class BufferSnapshot:
+    """The values of a model's buffers (BatchNorm running statistics, counters), put back later.
+
+    The profile's steps run the model in its current mode; in training mode
+    they update running statistics, which must not count as the user's steps.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.saved: list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]] = []
+        for mod in model.modules():
+            for name, buf in mod._buffers.items():
+                if buf is None or nn.parameter.is_lazy(buf):
+                    continue
+                self.saved.append((mod._buffers, name, buf, buf.detach().clone()))
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for store, name, buf, value in self.saved:
+                buf.copy_(value)
+                store[name] = buf  # a step that replaced the buffer gets the original back
 
 
 class _Timer:
@@ -196,8 +239,9 @@ def profile(
     """Measure memory and time of each candidate block under each decision.
 
     Runs ``1 + len(decisions) * repeats`` training steps (forward,
-    loss, backward); the model's parameters are not changed, its gradients
-    are left zeroed and its candidate blocks are left as they were.
+    loss, backward); the model's parameters are not changed, its buffers
+    (BatchNorm running statistics and counters) are put back as they were,
+    its gradients are left zeroed and its candidate blocks are left as they were.
 
     Args:
         model: the model.
@@ -225,6 +269,7 @@ def profile(
     """
     from ._apply import apply_decision, restore_state, snapshot_state
 
+    check_grad_enabled("remat.profile")
     if timer not in ("time", "flops"):
         raise ValueError(f"remat.profile: timer must be 'time' or 'flops', got {timer!r}.")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
@@ -248,6 +293,7 @@ def profile(
     names = candidates(model, check_fn)
     blocks = {n: model.get_submodule(n) for n in names}
     saved_state = snapshot_state(blocks)
+    buffers = BufferSnapshot(model)
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
 
@@ -279,7 +325,14 @@ def profile(
         # and is reused (zeroed in place), so the tracked steps see activations only.
         for t in inputs:
             t.grad = None
-        step()
+        calls = _CallCount()
+        count_handles = [m.register_forward_pre_hook(calls.hook(n)) for n, m in blocks.items()]
+        try:
+            step()
+        finally:
+            for ch in count_handles:
+                ch.remove()
+        calls.check(names)
         model.zero_grad(set_to_none=False)
         clock = _clock(device, threads) if timer == "time" else None
         for d in decisions:
@@ -320,6 +373,7 @@ def profile(
         for t, g in input_grads:
             t.grad = g
         restore_state(blocks, saved_state)
+        buffers.restore()
         torch.set_rng_state(rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
@@ -359,6 +413,34 @@ def profile(
         torch_version=torch.__version__,
         step_cost=keep_step if timer == "time" else 3.0 * sum(b.cost["recompute"] for b in costs),
     )
+
+
+class _CallCount:
+    """How often each candidate block runs in one forward (recomputes not counted)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def hook(self, name: str) -> Callable[[Any, Any], None]:
+        def pre(module: Any, args: Any) -> None:
+            from ._config import is_recomputing
+
+            if not is_recomputing():
+                self.counts[name] = self.counts.get(name, 0) + 1
+
+        return pre
+
+    def check(self, names: Sequence[str]) -> None:
+        """Raise unless every block ran exactly once: the planner models a chain."""
+        bad = {n: self.counts.get(n, 0) for n in names if self.counts.get(n, 0) != 1}
+        if bad:
+            listed = ", ".join(f"{n!r} ran {c} times" for n, c in bad.items())
+            raise ValueError(
+                f"remat.profile: every candidate block must run exactly once per forward (the "
+                f"planner models a chain of blocks), but {listed}. Pass check_fn=lambda name, "
+                "module: ... that selects only blocks the model calls once per step (a block "
+                "reused twice, or skipped, cannot be planned alone)."
+            )
 
 
 class _TopWatch:
@@ -439,7 +521,10 @@ def _flop_costs(
     saved = {op.overloadpacket for op in matmul_ops()}
     out: dict[str, dict[str, float]] = {d: {} for d in decisions}
     inputs: dict[str, Any] = {}
-    handles = [m.register_forward_pre_hook(_InputGrab(n, inputs)) for n, m in blocks.items()]
+    handles = [
+        m.register_forward_pre_hook(_InputGrab(n, inputs), with_kwargs=True)
+        for n, m in blocks.items()
+    ]
     try:
         with torch.no_grad():
             model(*args, **kwargs)  # one forward records every block's inputs
@@ -449,7 +534,8 @@ def _flop_costs(
     for n, m in blocks.items():
         counter = FlopCounterMode(display=False)
         with torch.no_grad(), counter:
-            m(*inputs[n])
+            block_args, block_kwargs = inputs[n]
+            m(*block_args, **block_kwargs)
         per_op = counter.get_flop_counts().get("Global", {})
         total = float(sum(per_op.values()))
         unsaved = float(sum(v for op, v in per_op.items() if op not in saved))
@@ -459,11 +545,11 @@ def _flop_costs(
 
 
 class _InputGrab:
-    """Forward pre-hook that keeps a block's first positional inputs."""
+    """Forward pre-hook (``with_kwargs=True``) that keeps a block's first inputs, keywords too."""
 
     def __init__(self, name: str, store: dict[str, Any]) -> None:
         self.name = name
         self.store = store
 
-    def __call__(self, module: Any, args: Any) -> None:
-        self.store.setdefault(self.name, args)
+    def __call__(self, module: Any, args: Any, kwargs: Any) -> None:
+        self.store.setdefault(self.name, (args, dict(kwargs)))
