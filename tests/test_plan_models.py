@@ -218,6 +218,32 @@ def test_uneven_blocks_predicted_peak_equals_measured_and_narrow_blocks_stay_kep
     assert {p.decisions["blocks.1"], p.decisions["blocks.3"]} != {"keep"}
 
 
+@pytest.mark.parametrize("nested", [False, True], ids=["chain", "residual-inner-f"])
+def test_predicted_peak_is_exact_when_a_block_output_is_only_held_by_a_selective_cache(
+    nested,
+):
+    # Under keep nothing holds a block's output once the next op (the loss, a residual add)
+    # has used it; a selective cache holds it (it is a matmul output) until that block's
+    # recompute. The prediction used to miss those bytes: a plan could exceed its budget.
+    torch.manual_seed(0)
+    if nested:
+        model = _Staged()
+        check = {"check_fn": lambda n, m: n.endswith(".f")}
+    else:
+        model = nn.Sequential(
+            *[nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(3)]
+        )
+        check = {}
+    x = torch.randn(8, 16, requires_grad=True)
+    prof = remat.profile(model, x, timer="flops", **check)
+    blocks = [model.get_submodule(b.name) for b in prof.blocks]
+    choices = ("keep", "recompute", "selective")
+    for ds in itertools.product(choices, repeat=len(blocks)):  # 27 and 81 plans
+        for block, d in zip(blocks, ds):
+            apply_decision(block, d)
+        assert remat.measure_peak(model, x) == predicted_peak(prof.blocks, prof.top, ds), ds
+
+
 class _Staged(nn.Module):
     """Two stages of residual blocks; the largest container is not where the blocks are."""
 

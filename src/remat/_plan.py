@@ -7,12 +7,18 @@ order in backward (a transformer's layers). For block ``i`` and decision
 ``d`` in ``keep``, ``recompute``, ``selective``, ``offload`` the profile
 (:mod:`remat._profile`) measures
 
-* ``retained[i][d]``: bytes still alive after the block's forward (what it
-  keeps for backward, its output included);
+* ``retained[i][d]``: bytes the block leaves alive for the rest of the
+  step: what was allocated from its forward start to the next block's
+  forward start (for the last block: to its own forward end). Measured up
+  to the next block rather than to the block's end because what follows a
+  block (a residual add, the loss) may free its output under ``keep`` while
+  a selective cache holds it;
 * ``fwd_excess[i][d]``: peak during its forward above what was alive when it
   started;
 * ``bwd_excess[i][d]``: peak during its backward above what was alive when
-  its backward started (recomputed activations live here);
+  its backward started (recomputed activations live here), or above the start
+  the model assumes (below) where more was alive; for the last block also the
+  peak between the end of forward and its backward under ``d``;
 * ``cost[i][d]``: the time (or FLOPs) the decision adds to a step; ``keep`` is 0;
 
 and, once, under all-``keep``: ``fwd_start[i]`` / ``bwd_start[i]``, the bytes

@@ -318,6 +318,7 @@ def profile(
     mem: dict[str, dict[str, memory.ModuleMemory]] = {}
     times: dict[str, dict[str, float]] = {}
     top = unchecked = 0
+    tops: dict[str, int] = {}
     try:
         # The inputs' gradients are the profile's own from here on (the user's come back at
         # the end). Warm-up: lazy modules make their parameters, kernels and the allocator
@@ -355,6 +356,7 @@ def profile(
                     timer_hooks.remove()
             model.zero_grad(set_to_none=False)
             mem[d] = {n: dataclasses.replace(s) for n, s in stats.items()}
+            tops[d] = top_watch.peak
             if d == "keep":
                 top, unchecked = top_watch.peak, tracker.peak_bytes
             if timer_hooks is not None and clock is not None:
@@ -378,18 +380,35 @@ def profile(
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
     costs = []
-    for n in names:
+    saved = dict.fromkeys(decisions, 0)  # bytes each uniform step saved up to this block
+    for i, n in enumerate(names):
         keep = mem["keep"][n]
+        # What the block leaves alive for the rest of the step: up to the next block's start
+        # (the residual add after a block may free its output under keep, while a selective
+        # cache holds it), or to its own forward end for the last block.
+        if i + 1 < len(names):
+            nxt = names[i + 1]
+            retained = {d: mem[d][nxt].before_forward - mem[d][n].before_forward for d in decisions}
+        else:
+            retained = {d: mem[d][n].after_forward - mem[d][n].before_forward for d in decisions}
+        bwd_excess = {}
+        for d in decisions:
+            saved[d] += retained["keep"] - retained[d]
+            # Above the start the model assumes (keep's start less what was saved), when more
+            # was alive: the last block's output, held by a selective cache but freed after
+            # the loss under keep, would otherwise be missing from the prediction.
+            assumed = keep.before_backward - saved[d]
+            bwd_excess[d] = mem[d][n].backward_peak - min(mem[d][n].before_backward, assumed)
+            if n == names[-1] and d in tops:  # the same for the loss and head after it
+                bwd_excess[d] = max(bwd_excess[d], tops[d] - assumed)
         costs.append(
             BlockCosts(
                 name=n,
-                retained={d: mem[d][n].after_forward - mem[d][n].before_forward for d in decisions},
+                retained=retained,
                 fwd_excess={
                     d: mem[d][n].forward_peak - mem[d][n].before_forward for d in decisions
                 },
-                bwd_excess={
-                    d: mem[d][n].backward_peak - mem[d][n].before_backward for d in decisions
-                },
+                bwd_excess=bwd_excess,
                 cost={
                     d: max(0.0, times[d][n] - times["keep"][n]) if d != "keep" else 0.0
                     for d in decisions
