@@ -22,6 +22,17 @@ times this operator already ran in the current run (forward or this
 recompute): a policy that wants "every second matmul" should use it instead of
 a counter of its own, which would drift between forward and recompute.
 
+Operators whose output aliases an input (views such as ``slice`` or
+``transpose``, and in-place operators such as ``add_`` or ``bernoulli_``) are
+always recomputed, whatever the policy answers (it is still asked, so a
+function policy sees every operator and its ``ctx.index`` counts them). A
+served view would alias the *forward's* tensor instead of the recomputed
+base, so an in-place change through it (``t[:, :2].mul_(3)``) would land on
+the wrong tensor and the gradients would be silently wrong (torch's selective
+checkpointing has this bug); a served in-place operator would skip its
+mutation of the recomputed tensor. Recomputing them costs nothing: a view
+holds no new memory and an in-place operator's output is its input.
+
 Stored outputs are dropped as the recompute hands them over when the backward
 running it does not retain the graph (so the peak is torch's); under
 ``retain_graph=True`` they are kept, so that, unlike torch, a second backward
@@ -34,6 +45,7 @@ to trace them); the offload policies then follow torch's compiled semantics.
 from __future__ import annotations
 
 import enum
+import functools
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -95,6 +107,13 @@ def _kind(policy: Any, func: Any) -> _Kind:
         f"selective checkpointing: the policy returned {policy!r} for {func}; return a "
         "remat.CheckpointPolicy member (or a bool: True saves, False recomputes)."
     )
+
+
+@functools.cache
+def _aliases_input(func: Any) -> bool:
+    """Whether ``func`` returns a view of, or writes into, one of its inputs."""
+    schema = getattr(func, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
@@ -242,7 +261,7 @@ class _SaveMode(TorchDispatchMode):
             ctx = SelectiveCheckpointContext(is_recompute=False, index=len(entries), op_output=out)
             kind = _kind(self.policy(ctx, func, *args, **kwargs), func)
             self.store.answers.setdefault(func, []).append(kind)
-        if kind is _Kind.RECOMPUTE or not _has_tensor(out):
+        if kind is _Kind.RECOMPUTE or not _has_tensor(out) or _aliases_input(func):
             entries.append(_RECOMPUTE)
             return out
         if kind is _Kind.SAVE:
