@@ -252,6 +252,10 @@ def profile(
         decisions: what to measure; default ``keep``, ``recompute``,
             ``selective``, and ``offload`` on a device.
         timer: ``"time"`` (seconds) or ``"flops"`` (recomputed FLOPs, deterministic).
+            FLOPs count what ``torch.utils.flop_counter`` counts (matmuls,
+            convolutions, attention): recomputing norms and activations counts as
+            free, so ``selective`` costs 0 under this timer. Use it for tests and
+            cross-machine comparisons; plan real runs with ``"time"``.
         repeats: timed steps per decision, the first one also measures memory
             (the minimum time is kept).
         threads: CPU only: ``1`` (default) times with one thread and thread CPU
