@@ -55,3 +55,13 @@ def test_device_strategies_give_the_reference_gradients_on_a_simulated_device():
         rows = run(CFG, strategies, device=torch.device("cpu"), steps=1, warmup=0)
     assert [r.max_grad_diff for r in rows] == [0.0, 0.0, 0.0]
     assert dev.copies  # the offload engine copied through the simulated device
+
+
+def test_device_runs_report_device_activation_bytes_and_host_bytes_apart():
+    from types import SimpleNamespace
+
+    from remat.bench.runner import device_and_host_peaks
+
+    t = SimpleNamespace(peak_bytes=700, peak_bytes_by_device={"cuda:1": 500, "cpu": 200})
+    assert device_and_host_peaks(t, torch.device("cuda", 1)) == (500, 200)
+    assert device_and_host_peaks(t, torch.device("cpu")) == (700, 0)

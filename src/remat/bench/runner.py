@@ -9,8 +9,9 @@ Method
   CPU: dropout is replayed exactly).
 * Memory: gradients are allocated once beforehand (zeroed in place), so
   :func:`remat.memory.track` around a step counts activations and
-  temporaries only: that peak is the *activation memory*. *Peak step memory*
-  adds parameter and gradient bytes.
+  temporaries only: that peak is the *activation memory* (on a device, that
+  device's own; host buffers of offload strategies are the separate
+  ``host_bytes``). *Peak step memory* adds parameter and gradient bytes.
 * Time: after warm-up (two rounds: on the 2-core CPU we measured, the first
   round after one warm-up step was still 10-25% slow for every strategy),
   steps of all strategies are interleaved one by one, so machine drift hits
@@ -52,6 +53,7 @@ class Row:
     time_ratio: float = 1.0
     max_grad_diff: float = 0.0
     step_times_s: list[float] = dataclasses.field(default_factory=list)
+    host_bytes: int = 0
 
 
 def environment(device: torch.device, cfg: ModelConfig, n_params: int) -> dict[str, Any]:
@@ -110,6 +112,7 @@ def run(
         tick(f"gradients {s.name}")
     # memory: grads exist now and are zeroed in place, so the tracker sees activations only
     mem: dict[str, int] = {}
+    host: dict[str, int] = {}
     for s in strategies:
         m = models[s.name]
         m.zero_grad(set_to_none=False)
@@ -117,7 +120,7 @@ def run(
         with memory.track() as t:
             _step(m, batch)
             _sync(device)
-        mem[s.name] = t.peak_bytes
+        mem[s.name], host[s.name] = device_and_host_peaks(t, device)
         tick(f"memory {s.name}")
     times: dict[str, list[float]] = {s.name: [] for s in strategies}
     for i in range(warmup + steps):
@@ -141,6 +144,7 @@ def run(
             activation_bytes=mem[s.name],
             step_time_s=statistics.median(times[s.name]),
             step_times_s=times[s.name],
+            host_bytes=host[s.name],
         )
         for s in strategies
     ]
@@ -155,6 +159,22 @@ def run(
             default=0.0,
         )
     return rows
+
+
+def device_and_host_peaks(tracker: Any, device: torch.device) -> tuple[int, int]:
+    """``(activation peak, host peak)`` of a tracked step.
+
+    On CPU everything is host memory: the total peak and 0. On a device the
+    activation peak is that device's own; pinned host buffers of an offload
+    strategy are reported apart, as the host peak.
+    """
+    if device.type == "cpu":
+        return tracker.peak_bytes, 0
+    index = device.index
+    if index is None:
+        index = torch.get_device_module(device.type).current_device()
+    by_device = tracker.peak_bytes_by_device
+    return by_device.get(f"{device.type}:{index}", 0), by_device.get("cpu", 0)
 
 
 def format_table(rows: Sequence[Row]) -> str:
