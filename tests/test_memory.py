@@ -327,3 +327,11 @@ def test_cuda_peak_matches_max_memory_allocated():
     # the caching allocator rounds each block up to 512 bytes; cuBLAS may add workspace
     assert t.peak_bytes <= referee_peak
     assert t.peak_bytes_by_device["cuda:0"] == t.peak_bytes
+
+
+def test_tracker_for_one_device_ignores_tensors_of_other_devices():
+    with remat.memory.track(device="cuda:0") as other, remat.memory.track("cpu") as cpu:
+        a = torch.ones(100)
+    assert other.peak_bytes == 0 and other.peak_bytes_by_device == {}
+    assert cpu.peak_bytes == cpu.current_bytes == 400
+    del a

@@ -11,7 +11,7 @@ from torch import nn
 
 from . import memory
 from ._plan import Plan, parse_budget, plan
-from ._profile import BufferSnapshot, _loss, check_grad_enabled, profile
+from ._profile import BufferSnapshot, _device_of, _loss, _tracked, check_grad_enabled, profile
 
 log = logging.getLogger("remat")
 
@@ -23,6 +23,9 @@ def measure_peak(
     **kwargs: Any,
 ) -> int:
     """Peak activation bytes of one training step (gradients allocated beforehand).
+
+    On a device, the bytes of that device (the device of the first tensor
+    argument, else of the parameters); host buffers of offloading are not counted.
 
     The step starts from the current RNG state, which is restored afterwards,
     as are the model's buffers (BatchNorm running statistics); gradients are
@@ -42,7 +45,7 @@ def measure_peak(
         _loss(model(*args, **kwargs), loss_fn, "remat.measure_peak").backward()
         model.zero_grad(set_to_none=False)
         torch.set_rng_state(rng)
-        with memory.track() as t:
+        with memory.track(_tracked(_device_of(model, (args, kwargs)))) as t:
             _loss(model(*args, **kwargs), loss_fn, "remat.measure_peak").backward()
         model.zero_grad(set_to_none=False)
     finally:

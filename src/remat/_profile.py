@@ -351,7 +351,10 @@ def profile(
                 for n, m in blocks.items():
                     timer_hooks.attach(n, m)
             try:
-                with _threads(device, threads), memory.track_modules(blocks) as (tracker, stats):
+                with (
+                    _threads(device, threads),
+                    memory.track_modules(blocks, _tracked(device)) as (tracker, stats),
+                ):
                     top_watch.tracker = tracker
                     step()
             finally:
@@ -488,6 +491,12 @@ class _TopWatch:
         if self.tracker is not None and self.window is not None:
             self.peak = self.tracker.close_window(self.window)
             self.window = None
+
+
+def _tracked(device: torch.device) -> torch.device | None:
+    """The device whose bytes the planner counts: the model's (host buffers of offload
+    are not activation memory there); everything on CPU."""
+    return None if device.type == "cpu" else device
 
 
 def _clock(device: torch.device, threads: int | None) -> Callable[[], float]:

@@ -109,6 +109,7 @@ class MemoryTracker:
     """Tensor storage bytes alive, filled by :func:`track`.
 
     Device keys are ``str(tensor.device)``: ``"cpu"``, ``"cuda:0"``, ...
+    A tracker made with ``device`` counts the tensors of that device only.
 
     Attributes:
         peak_bytes: the most bytes alive at once (all devices together) since
@@ -117,7 +118,8 @@ class MemoryTracker:
         allocations: number of storages counted.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device: str | torch.device | None = None) -> None:
+        self.device = None if device is None else _device_key(torch.device(device))
         self.peak_bytes = 0
         self.peak_bytes_by_device: dict[str, int] = {}
         self.allocations = 0
@@ -224,6 +226,13 @@ class MemoryTracker:
             self.peak_bytes_by_device[device] = d
 
 
+def _device_key(device: torch.device) -> str:
+    """``"cpu"``, ``"cuda:0"``, ...: a device without an index means the current one."""
+    if device.type == "cpu" or device.index is not None:
+        return str(device)
+    return f"{device.type}:{torch.get_device_module(device.type).current_device()}"
+
+
 def _leaves(t: torch.Tensor) -> list[torch.Tensor]:
     """The plain tensors that hold the memory of a sparse tensor or a tensor subclass."""
     if is_traceable_wrapper_subclass(t):
@@ -281,6 +290,9 @@ class _TrackMode(TorchDispatchMode):
             for t in (out,) if plain else _leaves(out):
                 if t.device.type == "meta":
                     continue
+                device = str(t.device)
+                if tracker.device is not None and device != tracker.device:
+                    continue
                 st = t.untyped_storage()
                 key = st._cdata
                 ref = tracker._knows(key)
@@ -298,7 +310,7 @@ class _TrackMode(TorchDispatchMode):
                         _input_keys(kwargs.values(), inputs)
                     if key in inputs:
                         continue
-                tracker._add(st, key, str(t.device))
+                tracker._add(st, key, device)
 
 
 def _flatten(out: Any, flat: list[torch.Tensor]) -> None:
@@ -310,7 +322,7 @@ def _flatten(out: Any, flat: list[torch.Tensor]) -> None:
 
 
 @contextlib.contextmanager
-def track() -> Iterator[MemoryTracker]:
+def track(device: str | torch.device | None = None) -> Iterator[MemoryTracker]:
     """Count the tensor storage bytes allocated inside and still alive, with the peak.
 
     Trackers nest: an inner tracker counts what is allocated inside it, the
@@ -318,6 +330,11 @@ def track() -> Iterator[MemoryTracker]:
     subtracted; tensors that existed before it are never counted. Frees that
     happen after the context closed are still subtracted. Only operators run
     in this thread (and the autograd engine's threads serving it) are seen.
+
+    Args:
+        device: count only the tensors on this device (``"cuda:0"``, a
+            ``torch.device``; ``"cuda"`` means the current CUDA device), for
+            example to leave out the host buffers of offloading. Default: all.
 
     Yields:
         A :class:`MemoryTracker`: ``peak_bytes``, ``current_bytes``,
@@ -334,7 +351,7 @@ def track() -> Iterator[MemoryTracker]:
         >>> t.current_bytes, t.peak_bytes, t.peak_bytes_by_device
         (1000, 4000, {'cpu': 4000})
     """
-    tracker = MemoryTracker()
+    tracker = MemoryTracker(device)
     with _TrackMode(tracker):
         yield tracker
 
@@ -445,6 +462,7 @@ class _ModuleHooks:
 @contextlib.contextmanager
 def track_modules(
     modules: dict[str, torch.nn.Module] | torch.nn.Module,
+    device: str | torch.device | None = None,
 ) -> Iterator[tuple[MemoryTracker, dict[str, ModuleMemory]]]:
     """:func:`track` plus a per-module breakdown at each module's boundaries.
 
@@ -458,6 +476,7 @@ def track_modules(
     Args:
         modules: a model (each of its named submodules is measured) or a dict
             ``name -> module`` of the modules to measure.
+        device: count only the tensors on this device (see :func:`track`).
 
     Yields:
         ``(tracker, stats)`` where ``stats`` maps module names to
@@ -479,7 +498,7 @@ def track_modules(
     else:
         named = dict(modules)
     stats = {n: ModuleMemory() for n in named}
-    with track() as tracker:
+    with track(device) as tracker:
         handles = []
         try:
             for name, mod in named.items():
