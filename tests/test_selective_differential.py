@@ -51,6 +51,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as tuc
+from differential import Outcome, assert_matches_reference, same_grads, seeded_linear
 
 import remat
 from remat import CheckpointPolicy as P
@@ -67,10 +68,7 @@ class Params:
 
     def __init__(self, seed: int) -> None:
         g = torch.Generator().manual_seed(seed)
-        self.lin = torch.nn.Linear(D, D)
-        with torch.no_grad():
-            self.lin.weight.copy_(torch.randn(D, D, generator=g) * 0.3)
-            self.lin.bias.copy_(torch.randn(D, generator=g))
+        self.lin = seeded_linear(g, D)
         self.w = (torch.randn(D, D, generator=g) * 0.3).requires_grad_()
         self.w3 = (torch.randn(2, D, D, generator=g) * 0.3).requires_grad_()
         self.lnw = torch.randn(D, generator=g).requires_grad_()
@@ -254,15 +252,6 @@ def torch_known_wrong(saved: list[Any]) -> bool:
 
 
 # -- running ---------------------------------------------------------------------------
-@dataclass
-class Outcome:
-    error: BaseException | None = None
-    out: torch.Tensor | None = None
-    grads: list[torch.Tensor | None] | None = None
-    rng: torch.Tensor | None = None
-    grads_again: list[torch.Tensor | None] | None = None
-
-
 def run_once(
     prog: list[tuple[str, int]],
     p: Params,
@@ -292,23 +281,6 @@ def run_once(
         return res
     except RuntimeError as e:
         return Outcome(error=e)
-
-
-def same_grads(a: list[torch.Tensor | None] | None, b: list[torch.Tensor | None] | None) -> bool:
-    assert a is not None and b is not None
-    return all(
-        (u is None and v is None) or (u is not None and v is not None and torch.equal(u, v))
-        for u, v in zip(a, b)
-    )
-
-
-def assert_matches_reference(ref: Outcome, got: Outcome, what: str) -> None:
-    assert got.error is None, f"{what} raised where the uncheckpointed run did not: {got.error!r}"
-    assert torch.equal(ref.out, got.out), f"{what}: outputs differ"
-    assert same_grads(ref.grads, got.grads), f"{what}: gradients differ"
-    assert torch.equal(ref.rng, got.rng), f"{what}: RNG state after backward differs"
-    if got.grads_again is not None:
-        assert same_grads(ref.grads, got.grads_again), f"{what}: second backward differs"
 
 
 def check_against_torch(ref: Outcome, ours: Outcome, theirs: Outcome, saved: list[Any]) -> None:

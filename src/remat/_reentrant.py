@@ -14,7 +14,9 @@ grad and the parameters inside silently get no gradient. remat adds a hidden
 zero-size leaf that requires grad, so the outputs are part of the graph and
 backward reaches the parameters. When nothing inside requires grad either,
 the outputs still report ``requires_grad=True`` and backward returns no
-gradients.
+gradients. A region whose inputs require grad only through such anchors (it reads
+a frozen region's output) does not raise torch's "checkpoint() is not necessary"
+error when it turns out not to use them: torch's inputs would not require grad.
 """
 
 from __future__ import annotations
@@ -120,6 +122,9 @@ class _ReentrantCheckpoint(torch.autograd.Function):
         r_tok = _config._recomputing.set(_config._recomputing.get() + 1)
         try:
             detached = detach_variable(tuple(inputs))
+            for x, d in zip(inputs, detached):
+                if isinstance(d, torch.Tensor) and d.requires_grad:
+                    d._remat_source = x  # type: ignore[attr-defined]  # see _reaches_leaf
             with torch.enable_grad():
                 outputs = ctx.run_function(*detached)
         finally:
@@ -133,7 +138,7 @@ class _ReentrantCheckpoint(torch.autograd.Function):
             if isinstance(o, torch.Tensor) and o.requires_grad:
                 outs.append(o)
                 out_grads.append(g)
-        if not outs and not ctx.anchored and not ctx.n_params:
+        if not outs and not ctx.anchored and not ctx.n_params and _reaches_leaf(inputs):
             raise RuntimeError(
                 "remat.checkpoint: none of the outputs of the checkpointed function requires "
                 "grad in recompute, so this checkpoint() is not necessary. Remove it, or "
@@ -166,6 +171,38 @@ class _ReentrantCheckpoint(torch.autograd.Function):
             torch.autograd.backward(outs, out_grads)
         input_grads = tuple(x.grad if isinstance(x, torch.Tensor) else None for x in detached)
         return (None, None, None, None) + input_grads
+
+
+def _reaches_leaf(inputs: list[Any]) -> bool:
+    """Whether a tensor in ``inputs`` requires grad through a leaf other than an anchor.
+
+    An input whose graph reaches only anchors (it was computed from the outputs
+    of a region over frozen inputs) requires grad in remat alone: in torch it
+    does not, and torch does not raise "not necessary" for the region reading it.
+    The detached inputs of an enclosing recompute lead back to their originals.
+    Only called on that error path: it walks the graph upstream of the region.
+    """
+    todo: list[Any] = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+    seen: set[Any] = set()
+    while todo:
+        item = todo.pop()
+        if isinstance(item, torch.Tensor):
+            while getattr(item, "_remat_source", None) is not None:
+                item = item._remat_source  # type: ignore[attr-defined]
+            if item.grad_fn is not None:
+                todo.append(item.grad_fn)
+            elif not getattr(item, "_remat_anchor", False):
+                return True
+            continue
+        if item in seen:
+            continue
+        seen.add(item)
+        leaf = getattr(item, "variable", None)  # AccumulateGrad
+        if leaf is not None:
+            todo.append(leaf)
+            continue
+        todo.extend(nxt for nxt, _ in item.next_functions if nxt is not None)
+    return False
 
 
 def _foreign_leaves(outs: list[torch.Tensor], known: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -211,6 +248,7 @@ def run_reentrant(
     anchor = None
     if not params and not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
         anchor = torch.empty(0, requires_grad=True)
+        anchor._remat_anchor = True  # type: ignore[attr-defined]  # see _reaches_leaf
     c_tok = _config._checkpointing.set(_config._checkpointing.get() + 1)
     try:
         return _ReentrantCheckpoint.apply(

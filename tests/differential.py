@@ -1,0 +1,51 @@
+"""What the differential tests (test_*_differential.py) share: outcomes and their comparison."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass
+class Outcome:
+    """One run of a random program: its error, or its output, gradients and RNG state."""
+
+    error: BaseException | None = None
+    out: torch.Tensor | None = None
+    grads: list[torch.Tensor | None] | None = None
+    rng: torch.Tensor | None = None
+    grads_again: list[torch.Tensor | None] | None = None  # from a second backward
+    fwd_bytes: int | None = None
+    torch_frozen_warned: bool = False
+
+
+def same_grads(a: list[torch.Tensor | None] | None, b: list[torch.Tensor | None] | None) -> bool:
+    """Bitwise equal, ``None`` where the other is ``None``."""
+    assert a is not None and b is not None
+    return all(
+        (u is None and v is None) or (u is not None and v is not None and torch.equal(u, v))
+        for u, v in zip(a, b)
+    )
+
+
+def assert_matches_reference(ref: Outcome, got: Outcome, what: str) -> None:
+    """``got`` ran like the uncheckpointed ``ref``: output, gradients, RNG, second backward."""
+    assert got.error is None, f"{what} raised where the uncheckpointed run did not: {got.error!r}"
+    assert ref.out is not None and got.out is not None
+    assert torch.equal(ref.out, got.out), f"{what}: outputs differ"
+    assert same_grads(ref.grads, got.grads), f"{what}: gradients differ"
+    assert ref.rng is not None and got.rng is not None
+    assert torch.equal(ref.rng, got.rng), f"{what}: RNG state after backward differs"
+    if got.grads_again is not None:
+        want = ref.grads_again if ref.grads_again is not None else ref.grads
+        assert same_grads(want, got.grads_again), f"{what}: the other backward differs"
+
+
+def seeded_linear(g: torch.Generator, d: int) -> torch.nn.Linear:
+    """A ``d x d`` Linear with weights drawn from ``g`` (scaled to keep values moderate)."""
+    lin = torch.nn.Linear(d, d)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(d, d, generator=g) * 0.3)
+        lin.bias.copy_(torch.randn(d, generator=g))
+    return lin
