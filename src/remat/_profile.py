@@ -232,14 +232,16 @@ def profile(
     check_fn: Callable[[str, nn.Module], bool] | None = None,
     decisions: Sequence[str] | None = None,
     timer: str = "time",
-    repeats: int = 2,
+    repeats: int = 1,
     threads: int | None = 1,
     **kwargs: Any,
 ) -> Profile:
     """Measure memory and time of each candidate block under each decision.
 
-    Runs ``1 + len(decisions) * repeats`` training steps (forward,
-    loss, backward); the model's parameters are not changed, its buffers
+    Runs ``1 + len(decisions) * (1 + repeats)`` training steps (forward,
+    loss, backward; ``1 + len(decisions)`` with ``timer="flops"``): a warm-up,
+    then per decision one step that measures memory (at torch's thread count)
+    and ``repeats`` timed ones. The model's parameters are not changed, its buffers
     (BatchNorm running statistics and counters) are put back as they were,
     its gradients are left zeroed and its candidate blocks are left as they were.
 
@@ -256,8 +258,8 @@ def profile(
             convolutions, attention): recomputing norms and activations counts as
             free, so ``selective`` costs 0 under this timer. Use it for tests and
             cross-machine comparisons; plan real runs with ``"time"``.
-        repeats: timed steps per decision, the first one also measures memory
-            (the minimum time is kept).
+        repeats: timed steps per decision (the minimum time is kept); the step
+            that measures memory is not timed, its tracking would inflate the time.
         threads: CPU only: ``1`` (default) times with one thread and thread CPU
             time, the steadiest numbers; another number sets torch's threads and
             ``None`` keeps them, both with wall time, closer to a multi-threaded
@@ -346,36 +348,25 @@ def profile(
             last = blocks[names[-1]]
             top_watch = _TopWatch()
             h = last.register_forward_hook(top_watch.forward_end)
-            timer_hooks = _Timer(clock) if clock is not None else None
-            if timer_hooks is not None:
-                for n, m in blocks.items():
-                    timer_hooks.attach(n, m)
             try:
-                with (
-                    _threads(device, threads),
-                    memory.track_modules(blocks, _tracked(device)) as (tracker, stats),
-                ):
+                # Memory: bytes do not depend on threads, so this step runs at full speed;
+                # its time is not used (the tracker's per-op work would inflate it).
+                with memory.track_modules(blocks, _tracked(device)) as (tracker, stats):
                     top_watch.tracker = tracker
                     step()
             finally:
                 h.remove()
-                if timer_hooks is not None:
-                    timer_hooks.remove()
             model.zero_grad(set_to_none=False)
             mem[d] = {n: dataclasses.replace(s) for n, s in stats.items()}
             tops[d] = top_watch.peak
             if d == "keep":
                 top, unchecked = top_watch.peak, tracker.peak_bytes
-            if timer_hooks is not None and clock is not None:
-                # the tracked step is the first sample; untracked steps add the rest
-                tracked = step_costs[-1] if step_costs else 0.0
+            if clock is not None:
                 step_costs.clear()
-                times[d] = _time_blocks(
-                    blocks, step, device, repeats - 1, clock, timer_hooks.totals(), threads
-                )
+                times[d] = _time_blocks(blocks, step, device, repeats, clock, threads)
                 model.zero_grad(set_to_none=False)
                 if d == "keep":
-                    keep_step = min(step_costs, default=tracked)
+                    keep_step = min(step_costs)
         if timer == "flops":
             times = _flop_costs(model, blocks, args, kwargs, loss_fn, decisions)
     finally:
@@ -516,11 +507,10 @@ def _time_blocks(
     device: torch.device,
     repeats: int,
     clock: Callable[[], float],
-    first: dict[str, float],
     threads: int | None,
 ) -> dict[str, float]:
-    """Minimum over ``first`` and ``repeats`` more steps of each block's forward+backward time."""
-    best = dict(first)
+    """Minimum over ``repeats`` steps of each block's forward+backward time."""
+    best: dict[str, float] = {}
     timer = _Timer(clock)
     for n, m in blocks.items():
         timer.attach(n, m)
