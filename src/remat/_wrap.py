@@ -17,7 +17,14 @@ Side effects in recompute
   forward changes in place) are cloned when the forward starts. The
   recompute runs with those values and the buffers are then put back as the
   forward left them, so after a step every buffer equals the unchecked
-  model's and a forward that reads its own buffers recomputes bitwise.
+  model's and a forward that reads its own buffers recomputes bitwise. This
+  holds by name too: a forward that assigns a new tensor to a buffer
+  (``self.step = self.step + 1``) recomputes with the buffer it started with.
+* Train/eval flags are recorded when the forward starts and put in place for
+  the recompute, so ``model.eval()`` between forward and backward changes
+  nothing (BatchNorm, dropout). Other Python attributes the forward reads are
+  not recorded: change them only after backward, or the recompute differs
+  (a :class:`CheckpointError` when shapes change, else other gradients).
 * Python objects passed in (a KV cache, lists, dicts, objects) are
   fingerprinted (their type, length and tensor shapes, a few levels deep)
   when the forward starts and again around the recompute. If the recompute
@@ -48,6 +55,18 @@ from ._errors import CheckpointError
 from ._reentrant import run_reentrant
 
 _ATTR = "_remat_checkpoint"  # the config, kept on the module (picklable)
+# Keywords that checkpoint() takes for itself (a forward's keyword must not reach it).
+_CHECKPOINT_KEYWORDS = frozenset(
+    (
+        "function",
+        "use_reentrant",
+        "preserve_rng_state",
+        "context_fn",
+        "determinism_check",
+        "debug",
+        "early_stop",
+    )
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,18 +140,33 @@ _CACHE_TIP = (
 class _Region:
     """What one wrapped call runs: the class's forward with the side-effect guards."""
 
-    __slots__ = ("module", "forward", "snapshot", "watched")
+    __slots__ = ("module", "forward", "snapshot", "modes", "watched")
 
     def __init__(
         self, module: nn.Module, forward: Callable[..., Any], args: Any, kwargs: Any
     ) -> None:
         self.module = module
         self.forward = forward
-        self.snapshot: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        bufs = list(module.buffers())
-        if bufs:
-            with torch.no_grad():
-                self.snapshot = [(b, b.detach().clone()) for b in bufs]
+        # Buffers by owner and name, with the tensor and a copy of its value: a forward
+        # may change a buffer in place (BatchNorm) or assign a new tensor to its name
+        # (``self.step = self.step + 1``); the recompute must see the buffer as it was.
+        self.snapshot: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] | None = None
+        # Train/eval flags: ``model.eval()`` between forward and backward must not
+        # change what the recompute computes (BatchNorm, dropout).
+        self.modes: list[tuple[nn.Module, bool]] = []
+        snapshot = []
+        copies: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for m in module.modules():
+                self.modes.append((m, m.training))
+                for name, b in m._buffers.items():
+                    if b is not None:
+                        value = copies.get(id(b))
+                        if value is None:
+                            value = copies[id(b)] = b.detach().clone()
+                        snapshot.append((m, name, b, value))
+        if snapshot:
+            self.snapshot = snapshot
         self.watched = _Watched(args, kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -172,21 +206,41 @@ class _Region:
         )
 
     def _recompute(self, args: Any, kwargs: Any) -> Any:
-        if self.snapshot is None:
+        modes_now = [(m, m.training) for m, _ in self.modes]
+        changed_modes = any(was != now for (_, was), (_, now) in zip(self.modes, modes_now))
+        if self.snapshot is None and not changed_modes:
             return self.forward(*args, **kwargs)
         # Outside any dispatch mode: selective checkpointing must not see these copies.
         # Through .data: putting a value back must not bump the version counter, or the
         # recompute's own saved buffers (batch_norm saves running stats) would look modified.
+        after: list[tuple[nn.Module, str, Any]] = []
+        values: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         with torch.no_grad(), _no_modes():
-            after = [(b, b.detach().clone()) for b, _ in self.snapshot]
-            for b, before in self.snapshot:
-                b.data.copy_(before)
+            for m, name, _, _ in self.snapshot or ():
+                if name not in m._buffers:
+                    continue  # the forward deleted it: leave it deleted
+                now = m._buffers[name]
+                after.append((m, name, now))
+                if now is not None and id(now) not in values:
+                    values[id(now)] = (now, now.detach().clone())
+            for m, name, b, before in self.snapshot or ():
+                if name in m._buffers:
+                    m._buffers[name] = b
+                    b.data.copy_(before)
+            if changed_modes:
+                for m, mode in self.modes:
+                    m.training = mode
         try:
             return self.forward(*args, **kwargs)
         finally:
             with torch.no_grad(), _no_modes():
-                for b, value in after:
-                    b.data.copy_(value)
+                for m, name, now in after:
+                    m._buffers[name] = now
+                for now, value in values.values():
+                    now.data.copy_(value)
+                if changed_modes:
+                    for m, mode in modes_now:
+                        m.training = mode
 
 
 def _is_stop(exc: BaseException) -> bool:
@@ -197,7 +251,7 @@ def _is_stop(exc: BaseException) -> bool:
 
 
 class _KeywordsAsPositional:
-    """Lets the reentrant variant (positional only) call a forward that takes keywords."""
+    """Calls a forward that takes keywords with positional arguments only."""
 
     __slots__ = ("fn", "n", "keys")
 
@@ -231,6 +285,10 @@ class _CheckpointedForward:
         opts: _Options = getattr(module, _ATTR)
         if torch.compiler.is_compiling():
             # torch's traced checkpoint; the eager side-effect guards are not traced
+            clash = _CHECKPOINT_KEYWORDS.intersection(kwargs)
+            if clash:  # the forward's own keywords named like checkpoint's options
+                forward = functools.partial(forward, **{k: kwargs[k] for k in clash})
+                kwargs = {k: v for k, v in kwargs.items() if k not in clash}
             return checkpoint(
                 forward,
                 *args,
@@ -257,7 +315,10 @@ class _CheckpointedForward:
         fn: Callable[..., Any] = region
         call_args: tuple[Any, ...] = args
         call_kwargs = kwargs
-        if opts.use_reentrant and kwargs:
+        if kwargs:
+            # Positional for checkpoint: the reentrant variant takes no keywords, and a
+            # forward's own keyword named like an option of checkpoint (debug,
+            # early_stop, context_fn, ...) must reach the forward, not checkpoint.
             fn = _KeywordsAsPositional(region, len(args), tuple(kwargs))
             call_args = (*args, *kwargs.values())
             call_kwargs = {}
@@ -462,8 +523,8 @@ def apply_activation_checkpointing(
         model: the model (changed in place).
         check_fn: ``check_fn(name, module)`` selects the submodules to wrap;
             default: the children of the model's largest ``nn.ModuleList`` /
-            ``nn.Sequential`` (its repeated blocks). Submodules of a wrapped
-            module are not wrapped again.
+            ``nn.Sequential`` (its repeated blocks). Submodules of a selected
+            module, or of one wrapped before (an earlier call), are not wrapped.
         every: wrap every ``every``-th selected module (the 1st, the
             ``every+1``-th, ...).
         **wrapper_kwargs: options of :func:`checkpoint_wrapper`.
@@ -483,11 +544,15 @@ def apply_activation_checkpointing(
         names = _default_blocks(model)
     else:
         names = []
+        inside: list[str] = []  # selected or already wrapped: their submodules are skipped
         for name, m in model.named_modules():
-            if not name or any(name.startswith(p + ".") for p in names):
+            if not name or any(name.startswith(p + ".") for p in inside):
                 continue
             if check_fn(name, m):
                 names.append(name)
+                inside.append(name)
+            elif is_wrapped(m):  # wrapped by an earlier call
+                inside.append(name)
     chosen = names[::every]
     for name in chosen:
         checkpoint_wrapper(model.get_submodule(name), **wrapper_kwargs)
