@@ -164,3 +164,23 @@ def test_apply_twice_does_not_wrap_inside_an_already_wrapped_module():
     )
     assert names == ["0", "2"]  # not "1.fc", inside the wrapped "1"
     assert "forward" not in model[1].fc.__dict__
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_data_parallel_replica_runs_with_its_own_parameters(use_reentrant):
+    # nn.DataParallel replicates a module by a shallow copy of its __dict__ and then gives
+    # the replica its own parameters; its forward must use those, not the original's.
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    remat.checkpoint_wrapper(lin, use_reentrant=use_reentrant)
+    replica = lin._replicate_for_data_parallel()
+    w = torch.randn(4, 4, requires_grad=True)
+    b = torch.randn(4, requires_grad=True)
+    replica._parameters["weight"], replica._parameters["bias"] = w, b
+    x = torch.randn(3, 4, requires_grad=True)
+    y = replica(x)
+    assert torch.equal(y, torch.nn.functional.linear(x, w, b))
+    y.sum().backward()
+    assert w.grad is not None and lin.weight.grad is None
+    assert "remat: checkpointed" in repr(replica)
+    assert remat.unwrap(lin) is lin and "_replicate_for_data_parallel" not in lin.__dict__

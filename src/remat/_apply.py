@@ -8,10 +8,10 @@ from torch import nn
 
 from ._errors import PlanError
 from ._plan import DECISIONS
-from ._wrap import _ATTR, _CheckpointedForward, _ExtraRepr, _Options, checkpoint_wrapper, unwrap
+from ._wrap import _ATTR, _install, _Options, checkpoint_wrapper, unwrap
 from .policies import save_matmuls
 
-_KEYS = ("forward", "extra_repr", _ATTR)
+_KEYS = ("forward", "extra_repr", "_replicate_for_data_parallel", _ATTR)
 
 
 def apply_decision(module: nn.Module, decision: str) -> None:
@@ -24,10 +24,8 @@ def apply_decision(module: nn.Module, decision: str) -> None:
     elif decision == "selective":
         checkpoint_wrapper(module, policy=save_matmuls())
     elif decision == "offload":
-        inner = module.__dict__.get("forward")
         object.__setattr__(module, _ATTR, _Options(offload_only=True))
-        module.__dict__["forward"] = _CheckpointedForward(module, inner)
-        module.__dict__["extra_repr"] = _ExtraRepr(module)
+        _install(module, module.__dict__.get("forward"))
 
 
 def snapshot_state(blocks: dict[str, nn.Module]) -> dict[str, dict[str, Any]]:

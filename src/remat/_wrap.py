@@ -469,11 +469,42 @@ def checkpoint_wrapper(
             f"checkpoint_wrapper: {type(module).__name__} is already wrapped with other options "
             f"({getattr(module, _ATTR)}); call remat.unwrap(module) first to change them."
         )
-    inner = module.__dict__.get("forward")
     object.__setattr__(module, _ATTR, opts)
+    _install(module, module.__dict__.get("forward"))
+    return module
+
+
+def _install(module: nn.Module, inner: Callable[..., Any] | None) -> None:
+    """Put the instance-level attributes of a wrapped module in place (options set before)."""
     module.__dict__["forward"] = _CheckpointedForward(module, inner)
     module.__dict__["extra_repr"] = _ExtraRepr(module)
-    return module
+    module.__dict__["_replicate_for_data_parallel"] = _Replicate(module)
+
+
+class _Replicate:
+    """Instance-level ``_replicate_for_data_parallel`` (``nn.DataParallel``).
+
+    A replica starts as a shallow copy of the module's ``__dict__``: without
+    this, it would share the original's checkpointed forward, which runs the
+    original module with the original's parameters.
+    """
+
+    __slots__ = ("ref", "__weakref__")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.ref = weakref.ref(module)
+
+    def __call__(self) -> nn.Module:
+        module = self.ref()
+        if module is None:
+            raise ReferenceError("remat: the wrapped module of this replicate hook is gone")
+        replica = type(module)._replicate_for_data_parallel(module)
+        fwd = replica.__dict__.get("forward")
+        _install(replica, fwd.inner if isinstance(fwd, _CheckpointedForward) else None)
+        return replica
+
+    def __reduce__(self) -> Any:
+        return (_Replicate, (self.ref(),))
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -492,6 +523,7 @@ def unwrap(module: nn.Module) -> nn.Module:
         else:
             del module.__dict__["forward"]
         module.__dict__.pop("extra_repr", None)
+        module.__dict__.pop("_replicate_for_data_parallel", None)
         module.__dict__.pop(_ATTR, None)
     return module
 
