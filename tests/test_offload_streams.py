@@ -8,6 +8,7 @@ behaviours on real CUDA are in the ``gpu``-marked tests of test_offload.py.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
 from typing import Any
@@ -338,3 +339,63 @@ def test_pinned_pool_size_classes_waste_at_most_an_eighth_above_4k():
         c = size(n)
         assert n <= c <= n * 1.125 + 1
         assert size(c) == c  # a class serves its own size
+
+
+def _mm_then_add_(w):
+    def f(x):
+        t = x @ w  # offloaded by the policy
+        t.add_(1)  # changed in place later in the region
+        return t.sin()
+
+    return f
+
+
+@pytest.mark.parametrize("simulated", [False, True], ids=["cpu", "simulated-device"])
+def test_offloaded_output_changed_in_place_later_in_the_region_gives_plain_grads(simulated):
+    torch.manual_seed(0)
+    w = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(8, 16, requires_grad=True)
+    f = _mm_then_add_(w)
+    f(x).sum().backward()
+    ref = [x.grad.clone(), w.grad.clone()]
+    x.grad = w.grad = None
+    ctx_fn = functools.partial(
+        remat.create_selective_checkpoint_contexts, remat.policies.offload_matmuls()
+    )
+    with simulated_device(0, progress=0.0) if simulated else contextlib.nullcontext():
+        y = remat.checkpoint(f, x, context_fn=ctx_fn).sum()
+        y.backward(retain_graph=True)
+        first = [x.grad.clone(), w.grad.clone()]
+        x.grad = w.grad = None
+        y.backward()  # the recompute's add_ must not have changed what is served again
+    for r, a, b in zip(ref, first, [x.grad, w.grad]):
+        assert torch.equal(r, a) and torch.equal(r, b)
+
+
+def test_offloaded_output_changed_after_the_region_raises_on_cpu_and_is_a_snapshot_on_device():
+    torch.manual_seed(0)
+    w = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(8, 16, requires_grad=True)
+    ctx_fn = functools.partial(
+        remat.create_selective_checkpoint_contexts, remat.policies.offload_matmuls()
+    )
+
+    def region(t):
+        m = t @ w  # offloaded; the recompute needs it for m * 3, which sin saved
+        return (m * 3).sin(), m
+
+    def step(ck):
+        a, m = ck(region, x)
+        m.mul_(2)  # the caller changes the region's output (the offloaded mm output)
+        (a.sum() + m.sum()).backward()
+
+    step(lambda f, t: f(t))
+    ref = [x.grad.clone(), w.grad.clone()]
+    x.grad = w.grad = None
+    with pytest.raises(remat.CheckpointError, match="offloaded was modified in place after"):
+        step(functools.partial(remat.checkpoint, context_fn=ctx_fn))  # CPU: kept as it is
+    x.grad = w.grad = None
+    with simulated_device(0, progress=0.0):
+        # device: the region's end waited for the copy out, which holds the mm output
+        step(functools.partial(remat.checkpoint, context_fn=ctx_fn))
+    assert torch.equal(ref[0], x.grad) and torch.equal(ref[1], w.grad)

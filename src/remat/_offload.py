@@ -211,6 +211,7 @@ class _Ticket:
         "last_copy",
         "back",
         "back_done",
+        "out_done",
         "nbytes",
         "pos",
         "fetched",
@@ -228,6 +229,7 @@ class _Ticket:
         self.back: torch.Tensor | None = None
         self.last_copy: Any = None  # event of the latest copy that touches the host buffer
         self.back_done: Any = None
+        self.out_done: Any = None  # event of the copy out
         self.pos = 0
         self.fetched = False  # brought back at least once (prefetch does it only once)
 
@@ -272,7 +274,7 @@ class HostStash:
         ops.keep_until_done(src, side)  # the allocator keeps src's memory until the copy read it
         ops.copy(host, src, side)
         tk.host, tk.buf = host, buf
-        tk.last_copy = ops.record(side)
+        tk.last_copy = tk.out_done = ops.record(side)
         tk.pos = len(self.order)
         self.order.append(weakref.ref(tk))
         if len(self.order) % 1024 == 0:  # forget tickets that are gone
@@ -318,11 +320,27 @@ class HostStash:
         dev, tk.back = tk.back, None
         return dev  # type: ignore[return-value]
 
-    def release(self, tk: _Ticket | torch.Tensor) -> None:
-        """Forget a stashed tensor; its host buffer returns to the pool once its copies are done."""
+    def settle(self, tk: _Ticket | torch.Tensor) -> None:
+        """Make the compute stream wait until ``tk``'s copy out has read the tensor.
+
+        After this, compute may change the tensor in place: the host copy holds the
+        value it had when it was stashed. (A no-op for a tensor kept on the host.)
+        """
+        if isinstance(tk, _Ticket) and tk.out_done is not None:
+            tk.ops.wait(tk.ops.compute_stream(tk.device), tk.out_done)
+            tk.out_done = None
+
+    def release(self, tk: _Ticket | torch.Tensor | int) -> None:
+        """Forget a stashed tensor; its host buffer returns to the pool once its copies are done.
+
+        A tensor kept on the host may be given by its byte count.
+        """
         with self.lock:
             if isinstance(tk, torch.Tensor):
                 self.current_bytes -= tk.nbytes
+                return
+            if isinstance(tk, int):
+                self.current_bytes -= tk
                 return
             if tk.buf is None:
                 return

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as _tuc
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import _disable_current_modes as _no_modes
 
 from ._errors import CheckpointError
 from ._offload import HostStash, shared_stash
@@ -158,7 +159,26 @@ class _Saved:
 
 
 class _Offloaded:
-    __slots__ = ("tickets", "is_tensor", "stash", "single", "rng", "__weakref__")
+    """Outputs kept in host memory by an offload policy: a snapshot of the op's output.
+
+    On a device the host copy is taken asynchronously; an in-place change of the
+    output later in the region first waits for that copy (:meth:`protect`), and the
+    region's end waits for all of them, so the copy always holds the op's own
+    output and the recompute, which re-applies the in-place ops, gets it. On CPU
+    the output is kept as it is: :meth:`protect` clones it before a change inside
+    the region; a change after the region is caught by its version counter.
+    """
+
+    __slots__ = (
+        "tickets",
+        "is_tensor",
+        "stash",
+        "single",
+        "rng",
+        "versions",
+        "cloned",
+        "__weakref__",
+    )
 
     def __init__(self, out: Any, stash: HostStash) -> None:
         self.stash = stash
@@ -166,26 +186,65 @@ class _Offloaded:
         outs = [out] if self.single else list(out)
         self.is_tensor = [isinstance(o, torch.Tensor) for o in outs]
         self.tickets = [stash.put(o) if t else o for o, t in zip(outs, self.is_tensor)]
+        self.versions = [o._version if isinstance(o, torch.Tensor) else None for o in outs]
+        self.cloned = [False] * len(outs)
         self.rng: tuple[Any, ...] | None = None
-        # Once consumed by backward (or the graph is freed) the host buffers go back to the pool.
-        kept = [tk for tk, t in zip(self.tickets, self.is_tensor) if t]
+        # Once consumed by backward (or the graph is freed) the host buffers go back to the
+        # pool; tensors kept on the host are released by their byte count (not held here).
+        kept = [
+            tk.nbytes if isinstance(tk, torch.Tensor) else tk
+            for tk, t in zip(self.tickets, self.is_tensor)
+            if t
+        ]
         weakref.finalize(self, _release_all, stash, kept)
 
+    def protect(self, i: int) -> None:
+        """Output ``i`` is about to be changed in place inside the region: keep its value."""
+        tk = self.tickets[i]
+        if isinstance(tk, torch.Tensor):
+            if not self.cloned[i]:
+                with torch.no_grad(), _no_modes():
+                    clone = tk.clone()
+                self.tickets[i] = clone
+                self.cloned[i] = True
+                self.versions[i] = clone._version
+        else:
+            self.stash.settle(tk)
+
+    def settle(self) -> None:
+        """The region ends: later changes of the outputs must not race their copies out."""
+        for tk, t in zip(self.tickets, self.is_tensor):
+            if t:
+                self.stash.settle(tk)
+
     def get(self, func: Any, allow_mutation: bool) -> Any:
-        vals = [
-            _fresh(self.stash.get(tk)) if t else tk for tk, t in zip(self.tickets, self.is_tensor)
-        ]
+        vals = []
+        for i, (tk, t) in enumerate(zip(self.tickets, self.is_tensor)):
+            if not t:
+                vals.append(tk)
+                continue
+            v = self.stash.get(tk)
+            if isinstance(tk, torch.Tensor):
+                # kept on the host as it is: a change after the region would be served
+                if not allow_mutation and v._version != self.versions[i]:
+                    raise CheckpointError(
+                        f"selective checkpointing: the output of {func} that the policy "
+                        f"offloaded was modified in place after its region (version "
+                        f"{self.versions[i]} -> {v._version}), so recompute would read changed "
+                        "values. Make the in-place op out-of-place, have the policy recompute "
+                        "this op, or pass allow_cache_entry_mutation=True if the change is "
+                        "intended."
+                    )
+                # a clone made before a change inside the region must stay as it is: the
+                # recompute changes what it is served again
+                v = v.clone() if self.cloned[i] else _alias(v)
+            vals.append(v)
         return vals[0] if self.single else tuple(vals)
 
 
 def _release_all(stash: HostStash, tickets: list[Any]) -> None:
     for tk in tickets:
         stash.release(tk)
-
-
-def _fresh(t: torch.Tensor) -> torch.Tensor:
-    # A CPU "offloaded" tensor is the forward's own output: hand out an alias of it.
-    return _alias(t) if t.device.type == "cpu" else t
 
 
 _RECOMPUTE = object()
@@ -245,9 +304,24 @@ class _SaveMode(TorchDispatchMode):
         self.fast: tuple[frozenset[Any], _Kind, _Kind] | None = None
         if isinstance(policy, OpPolicy):
             self.fast = (policy.ops, _kind(policy.on_match, None), _kind(policy.otherwise, None))
+        self.offloaded: dict[int, tuple[_Offloaded, int]] = {}  # storage -> (entry, output)
+
+    def __enter__(self) -> _SaveMode:
+        self.offloaded = {}
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            for entry, _ in self.offloaded.values():
+                entry.settle()
+            self.offloaded = {}
+        finally:
+            super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if self.offloaded and _writes_input(func):
+            self._protect(func, args, kwargs)
         out = func(*args, **kwargs)
         if func in _IGNORED:
             return out
@@ -270,10 +344,36 @@ class _SaveMode(TorchDispatchMode):
             if self.store.stash is None:
                 self.store.stash = shared_stash()
             entry = _Offloaded(out, self.store.stash)
+            outs = [out] if isinstance(out, torch.Tensor) else list(out)
+            for i, o in enumerate(outs):
+                if isinstance(o, torch.Tensor) and o.numel():
+                    self.offloaded[o.untyped_storage().data_ptr()] = (entry, i)
         if _SEEDED in func.tags:
             entry.rng = _rng_after(out)
         entries.append(entry)
         return out
+
+    def _protect(self, func: Any, args: Any, kwargs: Any) -> None:
+        """Before ``func`` writes into an offloaded output, keep the output's value."""
+        schema = func._schema
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is None or not a.alias_info.is_write:
+                continue
+            v = args[i] if i < len(args) else kwargs.get(a.name)
+            for t in v if isinstance(v, (list, tuple)) else (v,):
+                if isinstance(t, torch.Tensor) and t.numel():
+                    hit = self.offloaded.pop(t.untyped_storage().data_ptr(), None)
+                    if hit is not None:
+                        hit[0].protect(hit[1])
+
+
+@functools.cache
+def _writes_input(func: Any) -> bool:
+    """Whether ``func`` writes into one of its arguments (in-place and ``out=`` ops)."""
+    schema = getattr(func, "_schema", None)
+    return schema is not None and any(
+        a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
+    )
 
 
 def _has_tensor(out: Any) -> bool:
