@@ -30,6 +30,12 @@ On a device (CUDA or any backend with streams and events)
 
 On CPU-only setups the tensor already lives in host memory: it is kept as it
 is (no copy) and never recomputed.
+
+A copy keeps the tensor's strides when they are dense and non-overlapping
+(channels-last, transposed): backward then runs the same kernels, with the same
+bits, as without offload. Overlapping or gapped views (``expand``,
+``as_strided``, slices) come back contiguous. Sparse and other non-strided
+tensors are kept as they are, also on a device.
 """
 
 from __future__ import annotations
@@ -136,6 +142,37 @@ class _BlockingOps(_StreamOps):
 _ops_cache: dict[str, _StreamOps] = {}
 
 
+def nbytes_of(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s elements; for a sparse tensor, of its index and value tensors."""
+    if t.layout is torch.strided:
+        return t.nbytes
+    if t.layout is torch.sparse_coo:
+        return t._indices().nbytes + t._values().nbytes
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        parts = (t.crow_indices(), t.col_indices(), t.values())
+    elif t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        parts = (t.ccol_indices(), t.row_indices(), t.values())
+    else:  # a layout without a byte count (mkldnn, jagged): count its elements
+        return t.numel() * t.element_size()
+    return sum(p.nbytes for p in parts)
+
+
+def _dense_strides(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill a block of memory exactly once, in some dimension order."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _restrided(flat: torch.Tensor, shape: torch.Size, stride: tuple[int, ...]) -> torch.Tensor:
+    """``flat``'s memory seen with ``shape`` and ``stride`` (a plain tensor, not an autograd view)."""
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        return flat.as_strided(shape, stride)
+
+
 def _ops_for(t: torch.Tensor) -> _StreamOps | None:
     """The stream operations for ``t``'s device; None for tensors kept as they are.
 
@@ -208,6 +245,7 @@ class _Ticket:
         "device",
         "dtype",
         "shape",
+        "stride",
         "last_copy",
         "back",
         "back_done",
@@ -223,6 +261,7 @@ class _Ticket:
         self.device: torch.device = t.device
         self.dtype: torch.dtype = t.dtype
         self.shape: torch.Size = t.shape
+        self.stride: tuple[int, ...] = t.stride()  # of the host copy (kept if dense)
         self.nbytes = nbytes
         self.host: torch.Tensor | None = None
         self.buf: torch.Tensor | None = None
@@ -255,21 +294,21 @@ class HostStash:
 
     def _put(self, t: torch.Tensor) -> _Ticket | torch.Tensor:
         ops = _ops_for(t)
-        nbytes = t.nbytes  # what is copied (a view copies its own elements only)
+        nbytes = nbytes_of(t)  # what is copied (a view copies its own elements only)
         self.count += 1
         self.total_bytes += nbytes
         self.current_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.current_bytes)
-        if ops is None:
+        if ops is None or t.layout is not torch.strided:
             return t
-        tk = _Ticket(t, nbytes, ops)
         src = t.detach()
-        if not src.is_contiguous():
+        if not _dense_strides(src):  # overlapping or gapped: its elements, contiguous
             src = src.contiguous()
+        tk = _Ticket(src, nbytes, ops)
         side = ops.side_stream(t.device)
         ready = ops.record(ops.compute_stream(t.device))
-        buf = self.pool.take(src.nbytes, ops)
-        host = buf[: src.nbytes].view(src.dtype).view(src.shape)
+        buf = self.pool.take(nbytes, ops)
+        host = _restrided(buf[:nbytes].view(src.dtype), src.shape, tk.stride)
         ops.wait(side, ready)  # the copy reads the value compute has finished writing
         ops.keep_until_done(src, side)  # the allocator keeps src's memory until the copy read it
         ops.copy(host, src, side)
@@ -291,7 +330,8 @@ class HostStash:
         ops = tk.ops
         side = ops.side_stream(tk.device)
         assert tk.host is not None
-        dev = ops.empty(tk.shape, tk.dtype, tk.device, side)
+        flat = ops.empty(torch.Size([tk.shape.numel()]), tk.dtype, tk.device, side)
+        dev = _restrided(flat, tk.shape, tk.stride)  # the strides the tensor had
         ops.copy(dev, tk.host, side)  # after the copy out: same stream, issue order
         tk.back_done = tk.last_copy = ops.record(side)
         ops.keep_until_done(dev, ops.compute_stream(tk.device))
@@ -337,7 +377,7 @@ class HostStash:
         """
         with self.lock:
             if isinstance(tk, torch.Tensor):
-                self.current_bytes -= tk.nbytes
+                self.current_bytes -= nbytes_of(tk)
                 return
             if isinstance(tk, int):
                 self.current_bytes -= tk
@@ -406,14 +446,22 @@ class OffloadStats:
 
 
 class _Stashed:
-    """Packed form of a saved tensor that went to host memory."""
+    """Packed form of a saved tensor that went to host memory.
 
-    __slots__ = ("ticket", "stash", "stats", "__weakref__")
+    A tensor kept on the host as it is (CPU) is held detached: the tensor autograd
+    hands the pack hook may be the output of the node that saves it, and holding it
+    would make a reference cycle that keeps the graph alive until garbage
+    collection. Its version is recorded so that an in-place change after it was
+    saved raises as in autograd (a device tensor's host copy is a snapshot).
+    """
 
-    def __init__(self, ticket: Any, stash: HostStash, stats: OffloadStats) -> None:
+    __slots__ = ("ticket", "stash", "stats", "version", "__weakref__")
+
+    def __init__(self, ticket: Any, stash: HostStash, stats: OffloadStats, version: int) -> None:
         self.ticket = ticket
         self.stash = stash
         self.stats = stats
+        self.version = version
         weakref.finalize(self, _release, stash, ticket, stats)
 
 
@@ -434,21 +482,32 @@ class _OffloadHooks:
         if is_parameter_like(t):
             self.stats.skipped_parameters += 1
             return t
-        if t.nbytes < self.min_bytes:
+        if nbytes_of(t) < self.min_bytes:
             self.stats.skipped_small += 1
             return t
-        ticket = self.stash.put(t)
+        version = t._version
+        ticket = self.stash.put(t.detach())
         s = self.stats
         s.offloaded_tensors = self.stash.count
         s.offloaded_bytes = self.stash.total_bytes
         s.current_bytes = self.stash.current_bytes
         s.peak_bytes = self.stash.peak_bytes
-        return _Stashed(ticket, self.stash, self.stats)
+        return _Stashed(ticket, self.stash, self.stats, version)
 
     def unpack(self, packed: Any) -> torch.Tensor:
-        if isinstance(packed, _Stashed):
-            return self.stash.get(packed.ticket)
-        return packed  # type: ignore[no-any-return]
+        if not isinstance(packed, _Stashed):
+            return packed  # type: ignore[no-any-return]
+        tk = packed.ticket
+        if isinstance(tk, torch.Tensor) and tk._version != packed.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: [{tk.dtype} {list(tk.shape)}] is at version {tk._version}; "
+                f"expected version {packed.version} instead. remat.offload kept it in host "
+                "memory as it is (a CPU tensor is not copied), so backward would read the "
+                "changed values. Make the in-place operation out-of-place, or clone the "
+                "tensor before changing it."
+            )
+        return self.stash.get(tk)
 
 
 @contextlib.contextmanager
@@ -460,7 +519,9 @@ def offload(*, pin_memory: bool = True, min_bytes: int = 1024) -> Iterator[Offlo
     stream, into pinned buffers from a reusable pool, and backward prefetches
     the next tensors (see the module docstring for the ordering rules). On a
     CPU-only setup the tensors already live in host memory and are kept as
-    they are. Wrapped around :func:`checkpoint`, only the checkpoint's inputs
+    they are (an in-place change of one before backward raises, as in autograd;
+    on a device backward reads the copy taken when it was saved). Sparse
+    tensors are kept as they are, also on a device. Wrapped around :func:`checkpoint`, only the checkpoint's inputs
     move (the region itself keeps nothing).
 
     Args:

@@ -56,7 +56,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _disable_current_modes as _no_modes
 
 from ._errors import CheckpointError
-from ._offload import HostStash, shared_stash
+from ._offload import HostStash, nbytes_of, shared_stash
 from .policies import CheckpointPolicy, OpPolicy
 
 _SAVE = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
@@ -192,7 +192,7 @@ class _Offloaded:
         # Once consumed by backward (or the graph is freed) the host buffers go back to the
         # pool; tensors kept on the host are released by their byte count (not held here).
         kept = [
-            tk.nbytes if isinstance(tk, torch.Tensor) else tk
+            nbytes_of(tk) if isinstance(tk, torch.Tensor) else tk
             for tk, t in zip(self.tickets, self.is_tensor)
             if t
         ]
