@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import _disable_current_modes as _no_modes
 
 from . import _config
 from ._errors import CheckpointError
-from ._state import ForwardState
+from ._state import ForwardState, generators_in
 from ._tree import SLOT, has_nested, replace_tensors, tensors_in
 
 _make_saved: Callable[..., Any] | None
@@ -402,7 +402,10 @@ def run_nonreentrant(
         tensors_in((args, kwargs), tensors)
     else:
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    state = ForwardState(tensors, preserve_rng_state)
+    generators: list[torch.Generator] = []
+    if preserve_rng_state:
+        generators_in((args, kwargs), generators)
+    state = ForwardState(tensors, preserve_rng_state, generators)
     fwd_ctx: Any = None
     rec_ctx: Any = None
     if context_fn is not None:

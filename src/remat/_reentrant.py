@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from . import _config
-from ._state import ForwardState
+from ._state import ForwardState, generators_in
 
 _BACKWARD_INPUTS_MSG = (
     "remat.checkpoint: use_reentrant=True does not work with torch.autograd.grad() or "
@@ -105,7 +105,10 @@ class _ReentrantCheckpoint(torch.autograd.Function):
                 ctx.inputs.append(None)
             else:
                 ctx.inputs.append(arg)
-        ctx.state = ForwardState(tensors, preserve)
+        generators: list[torch.Generator] = []
+        if preserve:
+            generators_in(args, generators)
+        ctx.state = ForwardState(tensors, preserve, generators)
         ctx.save_for_backward(*tensors)
         with torch.no_grad():
             return run_function(*args)

@@ -5,13 +5,35 @@ the second run to compute the same values it must see the same
 
 * random number generator state: the CPU generator and the generators of the
   devices that hold the tensor arguments (any device type with a
-  ``torch.get_device_module``, not only CUDA);
-* autocast state of every device type (enabled, dtype, cache);
+  ``torch.get_device_module``, not only CUDA), and every ``torch.Generator``
+  passed as an argument (also inside lists, tuples and dicts). torch replays
+  none of the latter: a ``rand(..., generator=g)`` inside its checkpoint draws
+  new numbers in recompute and ``g`` ends backward advanced twice. A generator
+  the function reaches otherwise (a closure, a module attribute) is not seen:
+  pass it as an argument, or ``determinism_check="values"`` reports the drift;
+* autocast state of every device type (enabled, dtype, cache). The autocast
+  cast cache is one process-wide table keyed by tensor, not by dtype: when
+  backward runs inside an autocast region of another dtype, the recompute
+  must neither read that region's casts (a weight cast to float16 where the
+  forward cast it to bfloat16) nor leave its own behind in it: the cache is
+  emptied before and after such a recompute. Running the recompute with the
+  cache off instead would change how many casts it runs (selective
+  checkpointing counts them) and, in the reentrant variant, make a weight
+  cast once and used twice two casts whose gradients round differently. The
+  open region recasts its weights after backward (new graph nodes, the same
+  values);
+* the default dtype (``torch.set_default_dtype`` between forward and backward
+  would otherwise change what factory calls create in recompute);
 * grad mode (recompute always runs with grad enabled: checkpointing only
   happens when the forward ran with grad enabled);
 * the default device set with ``with torch.device(...)`` (the innermost
   ``DeviceContext`` mode), so factory calls inside create tensors on the same
   device in recompute.
+
+``torch.use_deterministic_algorithms`` is not replayed: it selects kernels
+(and fills ``torch.empty`` with NaN), the values of well-defined CPU code do
+not depend on it, and the backward's own kernels run under the backward's
+setting anyway.
 
 :class:`ForwardState` records these at forward time. Its :meth:`enter` puts
 them in place for the recompute and returns a token; :meth:`exit` restores the
@@ -170,6 +192,26 @@ def _autocast_snapshot() -> tuple[tuple[str, bool, torch.dtype], ...]:
     )
 
 
+def generators_in(obj: Any, out: list[torch.Generator]) -> None:
+    """Append each distinct ``torch.Generator`` in ``obj`` (lists, tuples, dicts) to ``out``."""
+    if isinstance(obj, torch.Generator):
+        if not any(g is obj for g in out):
+            out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            generators_in(item, out)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            generators_in(item, out)
+
+
+def _outer_autocast_nesting() -> int:
+    """How many autocast contexts are open (torch has no getter: count one up and down)."""
+    n = torch.autocast_increment_nesting() - 1
+    torch.autocast_decrement_nesting()
+    return n
+
+
 def _innermost_device_context() -> Any:
     from torch.overrides import _get_current_function_mode_stack
     from torch.utils._device import DeviceContext
@@ -181,7 +223,7 @@ def _innermost_device_context() -> Any:
 
 
 class ForwardState:
-    """RNG and autocast state recorded when a checkpointed forward starts."""
+    """RNG, autocast, default dtype and device state recorded when a checkpointed forward starts."""
 
     __slots__ = (
         "autocast",
@@ -191,15 +233,24 @@ class ForwardState:
         "devices",
         "device_rngs",
         "device_ctx",
+        "dtype",
+        "generators",
+        "generator_states",
     )
 
-    def __init__(self, tensors: list[torch.Tensor], preserve_rng_state: bool) -> None:
+    def __init__(
+        self,
+        tensors: list[torch.Tensor],
+        preserve_rng_state: bool,
+        generators: list[torch.Generator] | None = None,
+    ) -> None:
         # Autocast: record nothing when it is off everywhere (the common case).
         if torch._C._is_any_autocast_enabled():
             self.autocast: tuple[tuple[str, bool, torch.dtype], ...] | None = _autocast_snapshot()
         else:
             self.autocast = None
         self.cache = torch.is_autocast_cache_enabled()
+        self.dtype = torch.get_default_dtype()
         self.device_ctx: Any = None
         if torch._C._is_torch_function_mode_enabled():  # cheap test first: rarely true
             self.device_ctx = _innermost_device_context()
@@ -207,8 +258,13 @@ class ForwardState:
         self.device_type = "cpu"
         self.devices: list[int] = []
         self.device_rngs: list[torch.Tensor] = []
+        self.generators: list[torch.Generator] = []
+        self.generator_states: list[torch.Tensor] = []
         if preserve_rng_state:
             self.cpu_rng = torch.get_rng_state()
+            if generators:
+                self.generators = generators
+                self.generator_states = [g.get_state() for g in generators]
             device_type = infer_device_type(tensors)
             self.device_type = device_type
             if device_type != "cpu" and _device_initialized(device_type):
@@ -224,31 +280,42 @@ class ForwardState:
 
     def enter(self) -> tuple[Any, ...]:
         """Put the forward's state in place; return what :meth:`exit` restores."""
-        saved_cpu = saved_dev = None
+        saved_cpu = saved_dev = saved_gens = saved_dtype = None
         mod = None
-        if self.cpu_rng is not None:
-            saved_cpu = torch.get_rng_state()
-            torch.set_rng_state(self.cpu_rng)
-            if self.devices:
-                mod = _device_module(self.device_type)
-                saved_dev = []
-                for idx, state in zip(self.devices, self.device_rngs):
-                    with mod.device(idx):
-                        saved_dev.append(mod.get_rng_state())
-                        mod.set_rng_state(state)
         stack = None
-        if (
-            self.autocast is not None
-            or self.device_ctx is not None
-            or torch._C._is_any_autocast_enabled()
-        ):
-            stack = contextlib.ExitStack()
-            try:
+        clear = False
+        try:
+            if self.cpu_rng is not None:
+                saved_cpu = torch.get_rng_state()
+                torch.set_rng_state(self.cpu_rng)
+                if self.generators:
+                    saved_gens = [g.get_state() for g in self.generators]
+                    for g, state in zip(self.generators, self.generator_states):
+                        g.set_state(state)
+                if self.devices:
+                    mod = _device_module(self.device_type)
+                    saved_dev = []
+                    for idx, state in zip(self.devices, self.device_rngs):
+                        with mod.device(idx):
+                            saved_dev.append(mod.get_rng_state())
+                            mod.set_rng_state(state)
+            if torch.get_default_dtype() != self.dtype:
+                saved_dtype = torch.get_default_dtype()
+                torch.set_default_dtype(self.dtype)
+            if (
+                self.autocast is not None
+                or self.device_ctx is not None
+                or torch._C._is_any_autocast_enabled()
+            ):
+                stack = contextlib.ExitStack()
                 if self.device_ctx is not None:
                     stack.enter_context(self.device_ctx)
                 fwd = self.autocast or tuple(
                     (t, False, torch.get_autocast_dtype(t)) for t in _autocast_types()
                 )
+                if self.cache and not self._cache_is_private(fwd):
+                    clear = True
+                    torch.clear_autocast_cache()
                 for t, enabled, dtype in fwd:
                     if enabled or torch.is_autocast_enabled(t):
                         stack.enter_context(
@@ -256,24 +323,49 @@ class ForwardState:
                                 t, dtype=dtype, enabled=enabled, cache_enabled=self.cache
                             )
                         )
-            except BaseException:
-                stack.close()
-                self._restore_rng(saved_cpu, saved_dev, mod)
-                raise
-        return saved_cpu, saved_dev, mod, stack
+        except BaseException:
+            self.exit((saved_cpu, saved_dev, mod, stack, saved_gens, saved_dtype, clear))
+            raise
+        return saved_cpu, saved_dev, mod, stack, saved_gens, saved_dtype, clear
 
     def exit(self, token: tuple[Any, ...]) -> None:
         """Restore the state that :meth:`enter` replaced."""
-        saved_cpu, saved_dev, mod, stack = token
+        saved_cpu, saved_dev, mod, stack, saved_gens, saved_dtype, clear = token
         try:
             if stack is not None:
                 stack.close()
         finally:
-            self._restore_rng(saved_cpu, saved_dev, mod)
+            if clear:  # the open region must not find the recompute's casts
+                torch.clear_autocast_cache()
+            try:
+                if saved_dtype is not None:
+                    torch.set_default_dtype(saved_dtype)
+            finally:
+                self._restore_rng(saved_cpu, saved_dev, mod, saved_gens)
 
-    def _restore_rng(self, saved_cpu: Any, saved_dev: Any, mod: Any) -> None:
+    @staticmethod
+    def _cache_is_private(fwd: tuple[tuple[str, bool, torch.dtype], ...]) -> bool:
+        """Whether the recompute may use the autocast cast cache without mixing dtypes.
+
+        Outside any autocast region the cache is empty and the recompute's
+        outermost autocast clears it on exit. Inside one (backward called in
+        an autocast block) the cache holds that region's casts and keeps the
+        recompute's: sharing it is right only when every autocast the
+        recompute enables casts to the dtype of the open region (enabled or
+        not: a disabled region inside an enabled one keeps the enclosing casts).
+        """
+        if not any(enabled for _, enabled, _ in fwd) or _outer_autocast_nesting() == 0:
+            return True
+        return all(torch.get_autocast_dtype(t) == dtype for t, enabled, dtype in fwd if enabled)
+
+    def _restore_rng(
+        self, saved_cpu: Any, saved_dev: Any, mod: Any, saved_gens: Any = None
+    ) -> None:
         if saved_cpu is not None:
             torch.set_rng_state(saved_cpu)
+        if saved_gens is not None:
+            for g, state in zip(self.generators, saved_gens):
+                g.set_state(state)
         if saved_dev is not None:
             for idx, state in zip(self.devices, saved_dev):
                 with mod.device(idx):
