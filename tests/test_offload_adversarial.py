@@ -331,3 +331,24 @@ def test_grad_twice_and_backward_inputs_release_every_byte(mode):
     assert all(torch.equal(r, g) for r, g in zip(ref, g1))
     assert torch.equal(ref[1], w.grad) and x.grad is None
     assert stats.current_bytes == 0
+
+
+def test_offload_policy_on_an_op_with_a_sparse_output_gives_plain_grads():
+    import functools
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 6).relu().requires_grad_()
+    w = torch.randn(6, 6, requires_grad=True)
+
+    def f(t):
+        return torch.sparse.mm(t.to_sparse(), w).sin()  # to_sparse's output is sparse
+
+    f(x).sum().backward()
+    ref = [x.grad.clone(), w.grad.clone()]
+    x.grad = w.grad = None
+    ctx_fn = functools.partial(
+        remat.create_selective_checkpoint_contexts,
+        lambda ctx, op, *a, **k: remat.CheckpointPolicy.MUST_CPU_OFFLOAD,
+    )
+    remat.checkpoint(f, x, context_fn=ctx_fn).sum().backward()
+    assert torch.equal(ref[0], x.grad) and torch.equal(ref[1], w.grad)

@@ -346,7 +346,7 @@ class _SaveMode(TorchDispatchMode):
             entry = _Offloaded(out, self.store.stash)
             outs = [out] if isinstance(out, torch.Tensor) else list(out)
             for i, o in enumerate(outs):
-                if isinstance(o, torch.Tensor) and o.numel():
+                if isinstance(o, torch.Tensor) and o.layout is torch.strided and o.numel():
                     self.offloaded[o.untyped_storage().data_ptr()] = (entry, i)
         if _SEEDED in func.tags:
             entry.rng = _rng_after(out)
@@ -361,7 +361,7 @@ class _SaveMode(TorchDispatchMode):
                 continue
             v = args[i] if i < len(args) else kwargs.get(a.name)
             for t in v if isinstance(v, (list, tuple)) else (v,):
-                if isinstance(t, torch.Tensor) and t.numel():
+                if isinstance(t, torch.Tensor) and t.layout is torch.strided and t.numel():
                     hit = self.offloaded.pop(t.untyped_storage().data_ptr(), None)
                     if hit is not None:
                         hit[0].protect(hit[1])
