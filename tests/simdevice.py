@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import _disable_current_modes as _no_modes
 from torch.utils._pytree import tree_leaves
 
 import remat._offload as engine
@@ -175,7 +176,8 @@ class SimOps:
                 )
             self.running = True
             try:
-                dst.copy_(src)
+                with _no_modes():  # device work never passes through Python dispatch modes
+                    dst.copy_(src)
             finally:
                 self.running = False
             self.pending_writes[d] -= 1

@@ -311,12 +311,10 @@ class _SaveMode(TorchDispatchMode):
         return super().__enter__()  # type: ignore[no-any-return]
 
     def __exit__(self, *exc: Any) -> None:
-        try:
-            for entry, _ in self.offloaded.values():
-                entry.settle()
-            self.offloaded = {}
-        finally:
-            super().__exit__(*exc)
+        entries, self.offloaded = list(self.offloaded.values()), {}
+        super().__exit__(*exc)
+        for entry, _ in entries:  # outside the mode: nothing here is a forward operator
+            entry.settle()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
