@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -10,7 +11,7 @@ import torch
 
 from . import memory
 from ._config import disable_checkpointing
-from ._tree import tensors_in
+from ._tree import replace_tensors, tensors_in
 
 
 @dataclasses.dataclass
@@ -94,7 +95,10 @@ def _set_rng(state: tuple[Any, Any]) -> None:
 
 
 def _diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float | None:
-    """None when bitwise equal, else the max abs difference."""
+    """None when equal (``torch.equal``, NaNs at the same places equal), else the max abs difference.
+
+    A NaN on one side only counts as an infinite difference.
+    """
     if a is None and b is None:
         return None
     if a is None or b is None or a.shape != b.shape or a.dtype != b.dtype:
@@ -103,7 +107,50 @@ def _diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float | None:
         return None
     if not (a.is_floating_point() or a.is_complex()):
         return float((a.double() - b.double()).abs().max())
+    nan_a, nan_b = a.isnan(), b.isnan()
+    if not torch.equal(nan_a, nan_b):
+        return float("inf")
+    if nan_a.any():
+        a, b = a.masked_fill(nan_a, 0), b.masked_fill(nan_b, 0)
+        if torch.equal(a, b):
+            return None
     return float((a - b).abs().max())
+
+
+def _same_loss(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def _graph_leaves(root: torch.Tensor) -> list[torch.Tensor]:
+    """The leaf tensors whose ``.grad`` a backward from ``root`` accumulates into."""
+    leaves: list[torch.Tensor] = []
+    seen: set[Any] = set()
+    todo = [root.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        var = getattr(node, "variable", None)
+        if isinstance(var, torch.Tensor):
+            leaves.append(var)
+        todo.extend(fn for fn, _ in node.next_functions)
+    return leaves
+
+
+def _as_leaves(args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """``(args, kwargs)`` with every non-leaf input that requires grad detached into a leaf.
+
+    The graph that produced such an input is not part of the model: a
+    backward into it would fail the second time (its saved tensors are
+    freed) and would leave gradients on tensors ``verify`` does not know.
+    """
+    found: list[torch.Tensor] = []
+    tensors_in((args, kwargs), found)
+    if all(t.is_leaf or not t.requires_grad for t in found):
+        return args, kwargs
+    new = [t if t.is_leaf or not t.requires_grad else t.detach().requires_grad_() for t in found]
+    return replace_tensors((args, kwargs), new, [0])
 
 
 def _input_leaves(args: Any, kwargs: Any) -> dict[str, torch.Tensor]:
@@ -127,7 +174,16 @@ def _step(
     with memory.track() as t:
         out = model(*args, **kwargs)
         loss = loss_fn(out) if loss_fn is not None else _default_loss(out)
-        loss.backward()
+        # leaves outside the model and the inputs (a loss_fn's own parameter):
+        # their .grad is put back after the backward, not compared
+        known = {id(p) for _, p in model.named_parameters()} | {id(x) for x in inputs.values()}
+        others = [x for x in _graph_leaves(loss) if id(x) not in known] if loss.grad_fn else []
+        others_grad = [x.grad for x in others]
+        try:
+            loss.backward()
+        finally:
+            for x, g in zip(others, others_grad):
+                x.grad = g
         del out
     leaves = [*model.named_parameters(), *inputs.items()]
     grads = {n: (p.grad.clone() if p.grad is not None else None) for n, p in leaves}
@@ -153,17 +209,21 @@ def verify(
     """Run one step with the model's checkpointing and one without; report what differs.
 
     Both steps start from the same RNG state (CPU, and every CUDA device when
-    CUDA is in use), the same buffer values and no gradients. Afterwards
-    ``verify`` leaves no trace: the ``.grad`` of every parameter and of every
-    leaf input that requires grad is the tensor it was before, each buffer is
+    CUDA is in use), the same buffer values and no gradients. An input that
+    requires grad but is not a leaf is detached into a leaf: the graph that
+    made it is not run. Afterwards ``verify`` leaves no trace: the ``.grad``
+    of every parameter, of every leaf input that requires grad and of any
+    other leaf the loss reaches (a parameter of ``loss_fn``) is the tensor it
+    was before, each buffer is
     the same tensor object with its old values (put back in its module if the
     forward replaced it), and the RNG state is as it was. Parameters and the
     training mode are not changed by a step and are left alone.
 
-    Compared, bitwise (``torch.equal``): the loss, every parameter's gradient,
-    the gradient of every leaf input that requires grad (named ``input[i]``,
-    numbered over the tensors in ``args`` then ``kwargs``), and every buffer
-    after the step (BatchNorm statistics, counters). Peak memory is measured
+    Compared, bitwise (``torch.equal``; NaNs at the same places are equal):
+    the loss, every parameter's gradient, the gradient of every input that
+    requires grad (named ``input[i]``, numbered over the tensors in ``args``
+    then ``kwargs``), and every buffer after the step (BatchNorm statistics,
+    counters). Peak memory is measured
     with :func:`remat.memory.track` around forward, loss and backward.
 
     Args:
@@ -196,6 +256,7 @@ def verify(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"remat.verify: model must be an nn.Module, got {type(model).__name__}.")
     rng = _rng_state()
+    args, kwargs = _as_leaves(args, kwargs)
     inputs = _input_leaves(args, kwargs)
     old_grads = {n: p.grad for n, p in [*model.named_parameters(), *inputs.items()]}
     owners = {n: (m, n.rpartition(".")[2]) for n, m in _buffer_owners(model)}
@@ -231,6 +292,7 @@ def verify(
         d = _diff(b1[n], b2.get(n))
         if d is not None:
             diffs.append(Difference("buffer", n, d))
-    if l1 != l2:
-        diffs.append(Difference("loss", "loss", abs(l1 - l2)))
+    if not _same_loss(l1, l2):
+        d = float("inf") if math.isnan(l1) or math.isnan(l2) else abs(l1 - l2)
+        diffs.append(Difference("loss", "loss", d))
     return Report(diffs, len(g1) + len(b1) + 1, l1, l2, p1, p2)

@@ -227,8 +227,13 @@ class MemoryTracker:
 
 
 def _device_key(device: torch.device) -> str:
-    """``"cpu"``, ``"cuda:0"``, ...: a device without an index means the current one."""
-    if device.type == "cpu" or device.index is not None:
+    """``"cpu"``, ``"cuda:0"``, ...: a device without an index means the current one.
+
+    CPU tensors report ``cpu`` whatever index the device was given (``"cpu:0"``).
+    """
+    if device.type == "cpu":
+        return "cpu"
+    if device.index is not None:
         return str(device)
     return f"{device.type}:{torch.get_device_module(device.type).current_device()}"
 
@@ -445,6 +450,8 @@ class _ModuleHooks:
         self.stack.append((window, [t for t in found if t.requires_grad]))
 
     def forward_post(self, module: Any, args: Any, kwargs: Any, out: Any) -> None:
+        # registered with always_call=True: also runs, with out=None, when the
+        # forward raised, so that its window is closed and its stack entry popped
         if is_recomputing() or not self.stack:
             return
         window, grad_inputs = self.stack.pop()
@@ -504,7 +511,9 @@ def track_modules(
             for name, mod in named.items():
                 h = _ModuleHooks(tracker, stats[name])
                 handles.append(mod.register_forward_pre_hook(h.forward_pre, with_kwargs=True))
-                handles.append(mod.register_forward_hook(h.forward_post, with_kwargs=True))
+                handles.append(
+                    mod.register_forward_hook(h.forward_post, with_kwargs=True, always_call=True)
+                )
             yield tracker, stats
         finally:
             for handle in handles:
