@@ -90,7 +90,15 @@ def run(
     warmup: int = WARMUP,
     progress: Callable[[str], None] | None = None,
 ) -> list[Row]:
-    """Measure every strategy; ``progress(label)`` is called after each unit of work."""
+    """Measure every strategy; ``progress(label)`` is called after each unit of work.
+
+    Raises:
+        ValueError: when two strategies share a name (their results are kept by name).
+    """
+    names = [s.name for s in strategies]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"run: strategy names must be unique, got {repeated} more than once.")
     tick = progress or (lambda label: None)
     batch = example_input(cfg, device)
     models = {}

@@ -15,7 +15,10 @@ import torch
 from ..bench.models import MODELS, ModelConfig, build, estimate_step_bytes, param_bytes
 from ..bench.runner import WARMUP, environment, format_table, run
 from ..bench.strategies import DEFAULT, registry
-from ._usage import UsageError
+from ._usage import RunError, UsageError, check_output_path, write_text
+
+PLOT_FORMATS = (".png", ".pdf", ".svg")
+"""What ``--plot`` writes (chosen by the file's suffix); matplotlib's Agg backend draws them all."""
 
 
 def add_parser(sub: Any) -> None:
@@ -32,22 +35,38 @@ def add_parser(sub: Any) -> None:
         "--model", default="gpt", help=f"built-in model: {', '.join(MODELS)} (default gpt)"
     )
     p.add_argument("--layers", type=int, default=None, help="number of blocks (default 6)")
-    p.add_argument("--d-model", type=int, default=None, help="width (default 384)")
+    p.add_argument(
+        "--d-model",
+        type=int,
+        default=None,
+        help="width (default 384); gpt keeps 6 heads (4 with --quick) when they divide it, "
+        "else the first of 8, 6, 4, 2, 1 that does",
+    )
     p.add_argument("--seq", type=int, default=None, help="sequence length (default 256)")
     p.add_argument("--batch", type=int, default=None, help="batch size (default 4)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per strategy (default 5)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument(
+        "--threads", type=int, default=None, help="CPU threads for torch (1 to the CPU count)"
+    )
     p.add_argument(
         "--strategies",
         default=None,
         help="comma-separated strategies (default: all that apply to the device); see --list",
     )
     p.add_argument("--list", action="store_true", help="list the strategies and exit")
-    p.add_argument("--quick", action="store_true", help="a small model and few steps (< 1 minute)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a small model and few steps (< 1 minute): 4 layers, d-model 128, seq 64, batch 2, "
+        "3 steps; an explicit --layers, --d-model, --seq, --batch or --steps wins over it",
+    )
     p.add_argument("--json", metavar="FILE", default=None, help="also write the results as JSON")
     p.add_argument(
-        "--plot", metavar="FILE.png", default=None, help="draw memory vs time (needs remat[plot])"
+        "--plot",
+        metavar="FILE.png",
+        default=None,
+        help="draw memory vs time to a .png, .pdf or .svg file (needs remat[plot])",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=main)
@@ -55,7 +74,9 @@ def add_parser(sub: Any) -> None:
 
 def _config(args: argparse.Namespace) -> tuple[ModelConfig, int]:
     if args.model not in MODELS:
-        raise UsageError(f"unknown model {args.model!r}; choose one of: {', '.join(MODELS)}.")
+        raise UsageError(
+            f"--model: unknown model {args.model!r}; choose one of: {', '.join(MODELS)}."
+        )
     if args.quick:
         cfg = ModelConfig(
             model=args.model, layers=4, d_model=128, seq=64, batch=2, heads=4, vocab=256
@@ -90,15 +111,33 @@ def _device(name: str | None) -> torch.device:
     try:
         dev = torch.device(name)
     except RuntimeError:
-        raise UsageError(f"unknown device {name!r}; use cpu or cuda.") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(
-            "--device cuda was asked for, but this torch build sees no CUDA device "
-            f"(torch {torch.__version__}). Use --device cpu."
-        )
+        raise UsageError(f"--device: unknown device {name!r}; use cpu or cuda.") from None
     if dev.type not in ("cpu", "cuda"):
         raise UsageError(f"--device {name}: only cpu and cuda are supported by the benchmark.")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(
+                f"--device {name} was asked for, but this torch build sees no CUDA device "
+                f"(torch {torch.__version__}). Use --device cpu."
+            )
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise UsageError(
+                f"--device {name}: there {'is' if count == 1 else 'are'} {count} CUDA "
+                f"device{'' if count == 1 else 's'}; pass cuda:0 to cuda:{count - 1}, or cuda."
+            )
     return dev
+
+
+def _threads(n: int) -> int:
+    cpus = os.cpu_count() or 1
+    if not 1 <= n <= cpus:
+        # far too many threads can crash torch's thread pool (a segfault at 10000)
+        raise UsageError(
+            f"--threads must be between 1 and this machine's {cpus} CPUs, got {n}; "
+            f"pass 1 to {cpus}, or leave it out for torch's default."
+        )
+    return n
 
 
 def _available_bytes(device: torch.device) -> int | None:
@@ -121,11 +160,19 @@ def _strategies(arg: str | None, device: torch.device) -> tuple[list[Any], list[
         skipped = [n for n in names if reg[n].device_only and device.type == "cpu"]
         chosen = [reg[n] for n in names if n not in skipped]
     else:
-        wanted = [n.strip() for n in arg.split(",") if n.strip()]
+        # spaces and empty items are ignored; a repeated name runs once (each strategy
+        # needs its own model: a repeat would share one and double its gradients)
+        wanted = list(dict.fromkeys(n.strip() for n in arg.split(",") if n.strip()))
+        if not wanted:
+            raise UsageError(
+                f"--strategies {arg!r} names no strategy; pass comma-separated names such as "
+                "full,selective (see --list)."
+            )
         unknown = [n for n in wanted if n not in reg]
         if unknown:
             raise UsageError(
-                f"unknown strategy {', '.join(map(repr, unknown))}; choose from: {', '.join(reg)}."
+                f"--strategies: unknown strategy {', '.join(map(repr, unknown))}; "
+                f"choose from: {', '.join(reg)}."
             )
         cpu_only = [n for n in wanted if reg[n].device_only and device.type == "cpu"]
         if cpu_only:
@@ -140,12 +187,22 @@ def _strategies(arg: str | None, device: torch.device) -> tuple[list[Any], list[
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run ``remat bench``; a usage mistake prints one line to stderr and returns 2."""
+    """Run ``remat bench``; a usage mistake prints one line to stderr and returns 2.
+
+    An output that cannot be written after the run prints one line and returns 1.
+    ``--threads`` holds for the run only: torch's thread count is put back after it.
+    """
+    threads = torch.get_num_threads()
     try:
         return _main(args)
     except UsageError as e:
         print(f"remat bench: error: {e}", file=sys.stderr)
         return 2
+    except RunError as e:
+        print(f"remat bench: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -156,13 +213,21 @@ def _main(args: argparse.Namespace) -> int:
         return 0
     cfg, steps = _config(args)
     device = _device(args.device)
-    if args.threads is not None:
-        if args.threads < 1:
-            raise UsageError(f"--threads must be >= 1, got {args.threads}.")
-        torch.set_num_threads(args.threads)
+    threads = None if args.threads is None else _threads(args.threads)
     strategies, skipped = _strategies(args.strategies, device)
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        raise UsageError("--plot needs matplotlib: pip install 'remat[plot]'")
+    if args.json is not None:
+        check_output_path("--json", args.json)
+    if args.plot is not None:
+        if importlib.util.find_spec("matplotlib") is None:
+            raise UsageError("--plot needs matplotlib: pip install 'remat[plot]'")
+        if os.path.splitext(args.plot)[1].lower() not in PLOT_FORMATS:
+            raise UsageError(
+                f"--plot {args.plot}: the file name must end in {', '.join(PLOT_FORMATS)} "
+                "(it picks the format); pass for example bench.png."
+            )
+        check_output_path("--plot", args.plot)
+    if threads is not None:
+        torch.set_num_threads(threads)
     need = estimate_step_bytes(cfg) * 2  # one model per strategy is alive: be generous
     avail = _available_bytes(device)
     if avail is not None and need > avail:
@@ -172,10 +237,11 @@ def _main(args: argparse.Namespace) -> int:
         )
     n_params = _count(cfg)
     env = environment(device, cfg, n_params)
+    heads = f", {cfg.heads} heads" if cfg.model == "gpt" else ""
     print(
         f"remat bench: torch {env['torch']}, device {device}, threads {env['threads']}, "
-        f"model {cfg.model} ({cfg.layers} layers, d={cfg.d_model}, seq {cfg.seq}, batch {cfg.batch}, "
-        f"{n_params / 1e6:.1f}M parameters), {steps} timed steps"
+        f"model {cfg.model} ({cfg.layers} layers, d={cfg.d_model}{heads}, seq {cfg.seq}, "
+        f"batch {cfg.batch}, {n_params / 1e6:.1f}M parameters), {steps} timed steps"
     )
     units = len(strategies) * (3 + WARMUP + steps)  # configure, grads, memory, steps
     bar = None
@@ -202,12 +268,10 @@ def _main(args: argparse.Namespace) -> int:
         )
     w = max(len(s.name) for s in strategies) + 2
     print("\n" + "\n".join(f"  {s.name:<{w}}{s.description}" for s in strategies))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(
-                {"environment": env, "rows": [dataclasses.asdict(r) for r in rows]}, fh, indent=2
-            )
-    if args.plot:
+    if args.json is not None:
+        data = {"environment": env, "rows": [dataclasses.asdict(r) for r in rows]}
+        write_text("--json", args.json, json.dumps(data, indent=2))
+    if args.plot is not None:
         from ..bench.plot import plot
 
         frontier = None
@@ -217,6 +281,8 @@ def _main(args: argparse.Namespace) -> int:
             plot(rows, args.plot, title=f"remat bench: {cfg.model}, {device}", frontier=frontier)
         except ImportError as e:
             raise UsageError(str(e)) from None
+        except OSError as e:
+            raise RunError(f"--plot {args.plot}: cannot write it: {e.strerror or e}.") from None
         print(f"plot written to {args.plot}")
     return 0
 

@@ -1,9 +1,21 @@
-"""``remat plan MODULE:FACTORY --budget 60%``: profile a model and print the plan."""
+"""``remat plan MODULE:FACTORY --budget 60%``: profile a model and print the plan.
+
+``MODULE`` is a module importable from the current directory (or ``PYTHONPATH``)
+or the path of a Python file (``path/to/models.py:make``). ``FACTORY`` is called
+without arguments and returns ``(model, example_args)``: ``model`` an
+``nn.Module``, ``example_args`` a tuple of positional arguments for its forward
+(anything else is its only argument, a list included).
+
+The command-line values are checked before the model is built; the factory or
+the model raising is a runtime error (exit code 1), reported in one line with
+where it was raised.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import sys
 from typing import Any
@@ -11,9 +23,9 @@ from typing import Any
 import torch
 
 from .._errors import PlanError
-from .._plan import plan
+from .._plan import _fmt, parse_budget, plan
 from .._profile import profile
-from ._usage import UsageError
+from ._usage import RunError, UsageError, check_output_path, describe, write_text
 
 
 def add_parser(sub: Any) -> None:
@@ -26,7 +38,11 @@ def add_parser(sub: Any) -> None:
             "returning (model, example_args)."
         ),
     )
-    p.add_argument("target", metavar="MODULE:FACTORY", help="e.g. mypkg.models:make_model")
+    p.add_argument(
+        "target",
+        metavar="MODULE:FACTORY",
+        help="e.g. mypkg.models:make_model, or a file: path/to/models.py:make_model",
+    )
     p.add_argument(
         "--budget", required=True, help="bytes, '18GiB', or '60%%' of the unchecked peak"
     )
@@ -36,45 +52,148 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(run=main)
 
 
-def _load(target: str) -> tuple[torch.nn.Module, tuple[Any, ...]]:
-    if ":" not in target:
-        raise UsageError(f"expected MODULE:FACTORY (e.g. mypkg.models:make), got {target!r}.")
-    mod_name, _, attr = target.partition(":")
+def _import(mod_name: str) -> Any:
+    """The module named ``mod_name``, or loaded from the file ``mod_name`` (``.py``)."""
+    is_file = mod_name.endswith(".py") and os.path.isfile(mod_name)
+    if is_file or os.sep in mod_name or "/" in mod_name:
+        path = os.path.abspath(mod_name)
+        if not os.path.isfile(path):
+            raise UsageError(
+                f"MODULE:FACTORY: no file {mod_name!r}; pass an existing .py file or a module name."
+            )
+        name = os.path.splitext(os.path.basename(path))[0]
+        if name in sys.modules:  # do not shadow a module already imported under that name
+            name = f"_remat_plan_{name}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise UsageError(
+                f"MODULE:FACTORY: cannot load {mod_name!r} as Python; pass a .py file."
+            )
+        mod = importlib.util.module_from_spec(spec)
+        if os.path.dirname(path) not in sys.path:  # as `python file.py`: its neighbours import
+            sys.path.insert(0, os.path.dirname(path))
+        sys.modules[name] = mod  # dataclasses and pickling look a module up there
+        try:
+            spec.loader.exec_module(mod)
+        except Exception as e:
+            del sys.modules[name]
+            raise RunError(f"importing {mod_name} raised {describe(e)}") from None
+        return mod
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        mod = importlib.import_module(mod_name)
+        return importlib.import_module(mod_name)
     except ImportError as e:
-        raise UsageError(f"cannot import module {mod_name!r}: {e}") from None
+        raise UsageError(
+            f"cannot import module {mod_name!r}: {e}. Pass a module importable from the "
+            "current directory or PYTHONPATH, or a file: path/to/models.py:FACTORY."
+        ) from None
+    except Exception as e:  # the module itself is broken: a SyntaxError, an error at import
+        raise RunError(f"importing {mod_name} raised {describe(e)}") from None
+
+
+def _load(target: str) -> tuple[torch.nn.Module, tuple[Any, ...], bool]:
+    mod_name, _, attr = target.rpartition(":")  # the last colon, so a Windows path (C:...) works
+    if not mod_name or not attr:
+        raise UsageError(
+            f"expected MODULE:FACTORY (e.g. mypkg.models:make or models.py:make), got {target!r}."
+        )
+    mod = _import(mod_name)
     factory = getattr(mod, attr, None)
     if factory is None:
         raise UsageError(f"module {mod_name!r} has no attribute {attr!r}.")
-    result = factory()
-    if not (
-        isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.nn.Module)
-    ):
+    if not callable(factory):
         raise UsageError(
-            f"{target}() must return (model, example_args), got {type(result).__name__}."
+            f"{target} is not callable (got {type(factory).__name__}); pass a FACTORY, a "
+            "function that returns (model, example_args)."
+        )
+    try:
+        result = factory()
+    except TypeError as e:
+        if e.__traceback__ is not None and e.__traceback__.tb_next is None:
+            # raised by the call itself (a required argument): a usage mistake
+            raise UsageError(
+                f"{target}() cannot be called without arguments ({e}); pass a FACTORY that "
+                "takes none and returns (model, example_args)."
+            ) from None
+        raise RunError(f"{target}() raised {describe(e)}") from None
+    except Exception as e:
+        raise RunError(f"{target}() raised {describe(e)}") from None
+    if not (isinstance(result, tuple) and len(result) == 2):
+        got = type(result).__name__
+        if isinstance(result, tuple):
+            got = f"a tuple of {len(result)} items"
+        raise UsageError(
+            f"{target}() must return a pair (model, example_args), got {got}; "
+            "return (model, (input,))."
         )
     model, example = result
-    args = example if isinstance(example, tuple) else (example,)
-    return model, args
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(
+            f"{target}() must return (model, example_args) with model an nn.Module, got a "
+            f"{type(model).__name__} first; return (model, (input,))."
+        )
+    if isinstance(example, tuple):
+        return model, example, True
+    return model, (example,), False
+
+
+def _hint(target: str, example_was_tuple: bool) -> str:
+    """Why a model may have failed on its example: a list of args is its only argument."""
+    if example_was_tuple:
+        return ""
+    return (
+        f" ({target}() returned example_args that is not a tuple: it was passed as the "
+        "model's only argument; return a tuple for several)"
+    )
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Check the values that need no model, before it is built and profiled."""
+    try:
+        parse_budget(args.budget, 2**62)  # a percentage is checked against the profile later
+    except ValueError as e:
+        raise UsageError(
+            f"--budget {args.budget!r}: {str(e).removeprefix('remat.plan: ')}"
+        ) from None
+    if args.solver == "milp" and importlib.util.find_spec("scipy") is None:
+        raise UsageError(
+            "--solver milp needs scipy: pip install 'remat[plan]' (or pass --solver dp)."
+        )
+    if args.json is not None:
+        check_output_path("--json", args.json)
 
 
 def main(args: argparse.Namespace) -> int:
+    """Run ``remat plan``: exit code 0 done, 2 a usage mistake, 1 the factory or model failed."""
     try:
-        model, example = _load(args.target)
-        prof = profile(model, *example, timer=args.timer)
-        chosen = plan(prof, args.budget, solver=args.solver)
-    except (UsageError, PlanError, ValueError) as e:
+        _check(args)
+        model, example, was_tuple = _load(args.target)
+        try:
+            prof = profile(model, *example, timer=args.timer)
+        except Exception as e:  # the model cannot be run or planned as given
+            if isinstance(e, PlanError) or str(e).startswith("remat."):
+                raise RunError(str(e)) from None  # remat's own message says what to change
+            raise RunError(
+                f"profiling {args.target}'s model raised {describe(e)}"
+                + _hint(args.target, was_tuple)
+            ) from None
+        try:
+            chosen = plan(prof, args.budget, solver=args.solver)
+        except (PlanError, ValueError) as e:
+            raise UsageError(str(e)) from None
+        print(
+            f"remat plan: {len(prof.blocks)} blocks, unchecked activation peak "
+            f"{_fmt(prof.unchecked_peak_bytes)}, device {prof.device}, "
+            f"cost in {prof.cost_unit}"
+        )
+        print(chosen)
+        if args.json is not None:
+            write_text("--json", args.json, chosen.to_json())
+    except UsageError as e:
         print(f"remat plan: error: {e}", file=sys.stderr)
         return 2
-    print(
-        f"remat plan: {len(prof.blocks)} blocks, unchecked activation peak "
-        f"{prof.unchecked_peak_bytes / 2**20:.2f} MiB, device {prof.device}, cost in {prof.cost_unit}"
-    )
-    print(chosen)
-    if args.json:
-        with open(args.json, "w") as fh:
-            fh.write(chosen.to_json())
+    except RunError as e:
+        print(f"remat plan: error: {e}", file=sys.stderr)
+        return 1
     return 0
