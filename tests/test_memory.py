@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -27,6 +29,7 @@ def referee(run):
     ``aten::`` operator, which leaves out scratch memory a kernel frees before it
     returns (the tracker's definition); the raw peak includes it.
     """
+    gc.collect()  # a cycle collected inside the window would be an unrelated free
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
     events = list(prof.profiler.kineto_results.events())
