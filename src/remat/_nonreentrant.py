@@ -404,7 +404,10 @@ def run_nonreentrant(
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
     generators: list[torch.Generator] = []
     if preserve_rng_state:
-        generators_in((args, kwargs), generators)
+        if nested:
+            generators_in((args, kwargs), generators)
+        elif len(tensors) != len(args):  # flat: any generator is a top-level argument
+            generators_in(args, generators)
     state = ForwardState(tensors, preserve_rng_state, generators)
     fwd_ctx: Any = None
     rec_ctx: Any = None
