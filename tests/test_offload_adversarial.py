@@ -352,3 +352,36 @@ def test_offload_policy_on_an_op_with_a_sparse_output_gives_plain_grads():
     )
     remat.checkpoint(f, x, context_fn=ctx_fn).sum().backward()
     assert torch.equal(ref[0], x.grad) and torch.equal(ref[1], w.grad)
+
+
+def test_selective_offload_region_is_freed_when_its_output_is_dropped_without_gc():
+    import functools
+    import gc
+    import weakref
+
+    import remat._offload as engine
+
+    w = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(8, 16, requires_grad=True)
+    ctx_fn = functools.partial(
+        remat.create_selective_checkpoint_contexts, remat.policies.offload_matmuls()
+    )
+    remat.checkpoint(lambda t: (t @ w).tanh(), x, context_fn=ctx_fn).sum().backward()  # warm
+    seen = []
+
+    def f(t):
+        m = t @ w  # offloaded (on CPU: kept as it is)
+        seen.append(weakref.ref(m))
+        return m.tanh()
+
+    gc.collect()
+    gc.disable()
+    try:
+        before = engine.shared_stash().current_bytes
+        y = remat.checkpoint(f, x, context_fn=ctx_fn)
+        assert engine.shared_stash().current_bytes == before + 8 * 16 * 4
+        del y  # no backward: the graph, the region and its kept output go at once
+        assert seen[0]() is None
+        assert engine.shared_stash().current_bytes == before
+    finally:
+        gc.enable()

@@ -351,7 +351,11 @@ class HostStash:
 
     def _get(self, tk: _Ticket) -> torch.Tensor:
         if tk.host is None:
-            raise RuntimeError("remat offload: a stashed tensor was used after it was released")
+            raise RuntimeError(
+                "remat offload: a saved tensor was read after its host copy was released (its "
+                "graph was freed). Run backward before the outputs it needs are deleted, or "
+                "pass retain_graph=True to the first backward to run it again."
+            )
         if tk.back is None:
             self._bring_back(tk)
         self._prefetch_before(tk)

@@ -185,7 +185,10 @@ class _Offloaded:
         self.single = isinstance(out, torch.Tensor)
         outs = [out] if self.single else list(out)
         self.is_tensor = [isinstance(o, torch.Tensor) for o in outs]
-        self.tickets = [stash.put(o) if t else o for o, t in zip(outs, self.is_tensor)]
+        # An alias (same storage and version counter, no graph): the op output holds its
+        # graph node, which (through the region) holds this entry; held as it is, the
+        # region's graph outlived its last reference.
+        self.tickets = [stash.put(_alias(o)) if t else o for o, t in zip(outs, self.is_tensor)]
         self.versions = [o._version if isinstance(o, torch.Tensor) else None for o in outs]
         self.cloned = [False] * len(outs)
         self.rng: tuple[Any, ...] | None = None

@@ -497,7 +497,10 @@ class _Replicate:
     def __call__(self) -> nn.Module:
         module = self.ref()
         if module is None:
-            raise ReferenceError("remat: the wrapped module of this replicate hook is gone")
+            raise ReferenceError(
+                "remat.checkpoint_wrapper: the module this replicate hook belongs to is gone; "
+                "replicate the module itself (nn.DataParallel(module)), not a stale copy of it."
+            )
         replica = type(module)._replicate_for_data_parallel(module)
         fwd = replica.__dict__.get("forward")
         _install(replica, fwd.inner if isinstance(fwd, _CheckpointedForward) else None)
