@@ -21,8 +21,8 @@ import time
 import torch
 
 import remat
-from remat._apply import apply_decision
 from remat.bench.models import ModelConfig, build, example_input
+from remat.planner.apply import apply_decision
 
 DECS = ("keep", "recompute", "selective")
 

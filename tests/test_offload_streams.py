@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from simdevice import RaceError, simulated_device, stash_events
 
 import remat
-from remat._apply import apply_decision
+from remat.planner.apply import apply_decision
 
 SEEDS = [0, 1, 2, 3, 4, 5]
 

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import remat
-from remat._apply import apply_decision
-from remat._plan import brute_force, predicted_cost, predicted_peak, solve_dp, solve_milp
 from remat.bench.models import ModelConfig, build, example_input
+from remat.planner.apply import apply_decision
+from remat.planner.model import predicted_cost, predicted_peak
+from remat.planner.solve import brute_force, solve_dp, solve_milp
 
 CFG = ModelConfig(layers=4, d_model=64, seq=32, batch=2, heads=2, vocab=128)
 DECS = ("keep", "recompute", "selective")

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import remat
-from remat._apply import apply_decision
-from remat._plan import predicted_peak
+from remat.planner.apply import apply_decision
+from remat.planner.model import predicted_peak
 
 
 def _cnn() -> nn.Sequential:

@@ -7,17 +7,9 @@ import random
 
 import pytest
 
-from remat._plan import (
-    BlockCosts,
-    Plan,
-    brute_force,
-    parse_budget,
-    predicted_cost,
-    predicted_peak,
-    smallest_peak,
-    solve_dp,
-    solve_milp,
-)
+from remat.planner.model import BlockCosts, parse_budget, predicted_cost, predicted_peak
+from remat.planner.plan import Plan
+from remat.planner.solve import brute_force, smallest_peak, solve_dp, solve_milp
 
 DECS = ("keep", "recompute", "selective")
 

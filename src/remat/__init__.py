@@ -8,7 +8,6 @@ Example:
 """
 
 from . import memory, policies
-from ._auto import auto_checkpoint, measure_peak
 from ._checkpoint import checkpoint, noop_context_fn
 from ._config import (
     disable_checkpointing,
@@ -19,14 +18,13 @@ from ._config import (
 )
 from ._errors import CheckpointError, PlanError, RematError
 from ._offload import OffloadStats, offload
-from ._plan import Plan, plan
-from ._profile import Profile, profile
 from ._reentrant import check_backward_validity, detach_variable
 from ._selective import SelectiveCheckpointContext, create_selective_checkpoint_contexts
 from ._sequential import checkpoint_sequential
 from ._state import DefaultDeviceType, get_device_states, set_device_states
 from ._verify import Report, verify
 from ._wrap import apply_activation_checkpointing, checkpoint_wrapper, unwrap
+from .planner import Plan, Profile, auto_checkpoint, measure_peak, plan, profile
 from .policies import CheckpointPolicy
 
 __version__ = "0.1.0.dev0"

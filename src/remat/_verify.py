@@ -11,6 +11,7 @@ import torch
 
 from . import memory
 from ._config import disable_checkpointing
+from ._modelinfo import default_loss
 from ._tree import replace_tensors, tensors_in
 
 
@@ -68,18 +69,6 @@ class Report:
         rows = [f"  {'kind':<7}{'name':<{w}}  max |diff|"]
         rows += [f"  {d.kind:<7}{d.name:<{w}}  {d.max_abs:.3e}" for d in self.differences]
         return head + "\n" + "\n".join(rows)
-
-
-def _default_loss(out: Any) -> torch.Tensor:
-    tensors: list[torch.Tensor] = []
-    tensors_in(out, tensors)
-    floats = [t for t in tensors if t.is_floating_point() and t.requires_grad]
-    if not floats:
-        raise ValueError(
-            "remat.verify: the model's output holds no floating tensor that requires grad; "
-            "pass loss_fn=... that turns the output into a scalar loss."
-        )
-    return sum((t.float().sum() for t in floats), torch.zeros((), device=floats[0].device))
 
 
 def _rng_state() -> tuple[Any, Any]:
@@ -173,7 +162,7 @@ def _step(
         x.grad = None
     with memory.track() as t:
         out = model(*args, **kwargs)
-        loss = loss_fn(out) if loss_fn is not None else _default_loss(out)
+        loss = loss_fn(out) if loss_fn is not None else default_loss(out)
         # leaves outside the model and the inputs (a loss_fn's own parameter):
         # their .grad is put back after the backward, not compared
         known = {id(p) for _, p in model.named_parameters()} | {id(x) for x in inputs.values()}

@@ -52,6 +52,7 @@ from torch.utils._python_dispatch import _disable_current_modes as _no_modes
 from . import _config
 from ._checkpoint import checkpoint
 from ._errors import CheckpointError
+from ._modelinfo import default_blocks
 from ._reentrant import run_reentrant
 
 _ATTR = "_remat_checkpoint"  # the config, kept on the module (picklable)
@@ -531,20 +532,6 @@ def unwrap(module: nn.Module) -> nn.Module:
     return module
 
 
-def _default_blocks(model: nn.Module) -> list[str]:
-    """Names of the children of the model's largest ModuleList/Sequential."""
-    best: tuple[int, str] | None = None
-    for name, m in model.named_modules():
-        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 0:
-            if best is None or len(m) > best[0]:
-                best = (len(m), name)
-    if best is None:
-        return []
-    prefix = best[1] + "." if best[1] else ""
-    container = model.get_submodule(best[1]) if best[1] else model
-    return [prefix + child for child, _ in container.named_children()]
-
-
 def apply_activation_checkpointing(
     model: nn.Module,
     *,
@@ -576,7 +563,7 @@ def apply_activation_checkpointing(
             "Pass 2 to checkpoint every second block."
         )
     if check_fn is None:
-        names = _default_blocks(model)
+        names = default_blocks(model)
     else:
         names = []
         inside: list[str] = []  # selected or already wrapped: their submodules are skipped
@@ -592,3 +579,28 @@ def apply_activation_checkpointing(
     for name in chosen:
         checkpoint_wrapper(model.get_submodule(name), **wrapper_kwargs)
     return chosen
+
+
+# What the planner needs to put decisions on modules and take them off again.
+WRAP_KEYS = ("forward", "extra_repr", "_replicate_for_data_parallel", _ATTR)
+
+
+def offload_only(module: nn.Module) -> nn.Module:
+    """Keep ``module``'s saved tensors in host memory, recompute nothing (the planner's
+    ``offload`` decision); returns the module. Undo with :func:`unwrap`."""
+    unwrap(module)
+    object.__setattr__(module, _ATTR, _Options(offload_only=True))
+    _install(module, module.__dict__.get("forward"))
+    return module
+
+
+def wrapping_state(module: nn.Module) -> dict[str, Any]:
+    """The instance attributes that hold ``module``'s wrapping, for :func:`set_wrapping_state`."""
+    return {k: module.__dict__[k] for k in WRAP_KEYS if k in module.__dict__}
+
+
+def set_wrapping_state(module: nn.Module, state: dict[str, Any]) -> None:
+    """Put back a wrapping recorded by :func:`wrapping_state` (none when it was empty)."""
+    for k in WRAP_KEYS:
+        module.__dict__.pop(k, None)
+    module.__dict__.update(state)

@@ -99,7 +99,7 @@ def _torch_wrapper(model: nn.Module, example: Any, every: int = 1) -> None:
 
 
 def _offload_blocks(model: nn.Module, example: Any) -> None:
-    from .._apply import apply_decision
+    from ..planner.apply import apply_decision
 
     for block in _blocks(model):
         apply_decision(block, "offload")  # the planner's "offload": offload(), no recompute
@@ -178,7 +178,7 @@ def _extra_strategies() -> list[Strategy]:
             Strategy("wrapper-2nd", "remat.checkpoint_wrapper on every 2nd block", _wrapper2)
         )
     try:
-        from .._auto import auto_checkpoint
+        from ..planner.auto import auto_checkpoint
     except ImportError:
         auto_checkpoint = None  # type: ignore[assignment]
     if auto_checkpoint is not None:
@@ -196,14 +196,14 @@ def _extra_strategies() -> list[Strategy]:
 def _auto(model: nn.Module, example: Any, *, pct: int) -> None:
     """Plan for ``pct``% of the unchecked activation peak; if no plan reaches it (a tiny
     model), use the plan with the smallest reachable peak (the table shows the ratio)."""
-    from .._auto import auto_checkpoint
     from .._errors import PlanError
+    from ..planner.auto import auto_checkpoint
 
     try:
         auto_checkpoint(model, example, budget=f"{pct}%", quiet=True)
     except PlanError:
-        from .._plan import smallest_peak
-        from .._profile import profile
+        from ..planner.measure import profile
+        from ..planner.solve import smallest_peak
 
         prof = profile(model, example)
         auto_checkpoint(

@@ -300,9 +300,10 @@ def _frontier(cfg: ModelConfig, device: torch.device, rows: Any) -> tuple[list[f
     Time ratios use the profile's own clock: its keep step and its per-block costs.
     """
     from .._errors import PlanError
-    from .._plan import plan, smallest_peak
-    from .._profile import profile
     from ..bench.models import example_input
+    from ..planner.measure import profile
+    from ..planner.plan import plan
+    from ..planner.solve import smallest_peak
 
     model = build(cfg, device)
     prof = profile(model, example_input(cfg, device))

@@ -23,8 +23,10 @@ from typing import Any
 import torch
 
 from .._errors import PlanError
-from .._plan import _fmt, parse_budget, plan
-from .._profile import profile
+from ..planner.measure import profile
+from ..planner.model import fmt_bytes as _fmt
+from ..planner.model import parse_budget
+from ..planner.plan import plan
 from ._usage import RunError, UsageError, check_output_path, describe, write_text
 
 

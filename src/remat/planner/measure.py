@@ -5,7 +5,7 @@ block under that decision (all ``keep``, all ``recompute``, all ``selective``,
 and all ``offload`` on a device). Each step runs from the same RNG state,
 with gradients allocated beforehand so that :func:`remat.memory.track_modules`
 sees activations only. Per block it records the terms of the planner's model
-(:mod:`remat._plan`): bytes retained after its forward, the excess peak during
+(:mod:`remat.planner.model`): bytes retained after its forward, the excess peak during
 its forward and during its backward, and the bytes alive when its forward and
 its backward start (under ``keep``); plus ``top``, the peak between the last
 block's forward and its backward (loss, logits).
@@ -31,9 +31,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import memory
-from ._plan import DECISIONS, BlockCosts
-from ._tree import tensors_in
+from .. import memory
+from .._config import is_recomputing
+from .._modelinfo import (
+    BufferSnapshot,
+    candidates,
+    check_grad_enabled,
+    counted_device,
+    device_of,
+    loss_of,
+)
+from .._tree import tensors_in
+from .apply import apply_decision, restore_state, snapshot_state
+from .model import DECISIONS, BlockCosts
 
 
 @dataclasses.dataclass
@@ -41,7 +51,7 @@ class Profile:
     """Measured costs of a model's candidate blocks; input of :func:`remat.plan`.
 
     Attributes:
-        blocks: one :class:`~remat._plan.BlockCosts` per candidate, in call order.
+        blocks: one :class:`~remat.planner.model.BlockCosts` per candidate, in call order.
         top: peak bytes between the last block's forward and its backward (all ``keep``).
         unchecked_peak_bytes: peak activation bytes of a step with every block kept.
         decisions: the decisions that were measured.
@@ -84,76 +94,6 @@ class Profile:
         """Read a profile saved with :meth:`save`."""
         with open(path) as fh:
             return cls.from_json(fh.read())
-
-
-def candidates(model: nn.Module, check_fn: Callable[[str, nn.Module], bool] | None) -> list[str]:
-    """Names of the candidate blocks (default: children of the largest ModuleList/Sequential)."""
-    from ._wrap import _default_blocks
-
-    if check_fn is None:
-        names = _default_blocks(model)
-    else:
-        names = []
-        for name, m in model.named_modules():
-            if name and not any(name.startswith(p + ".") for p in names) and check_fn(name, m):
-                names.append(name)
-    if not names:
-        raise ValueError(
-            "remat.profile: found no candidate blocks. Pass check_fn=lambda name, module: ... "
-            "that selects the repeated blocks of the model (for example its transformer layers)."
-        )
-    return names
-
-
-def _loss(
-    out: Any, loss_fn: Callable[[Any], torch.Tensor] | None, where: str = "remat.profile"
-) -> torch.Tensor:
-    if loss_fn is not None:
-        return loss_fn(out)
-    tensors: list[torch.Tensor] = []
-    tensors_in(out, tensors)
-    if not any(t.is_floating_point() and t.requires_grad for t in tensors):
-        raise ValueError(
-            f"{where}: the model's output holds no floating tensor that requires grad (are all "
-            "its parameters frozen, requires_grad=False, and no input requires grad?); there is "
-            "no backward to plan for. Pass loss_fn=... that turns the output into a scalar loss "
-            "that requires grad."
-        )
-    from ._verify import _default_loss
-
-    return _default_loss(out)
-
-
-def check_grad_enabled(where: str) -> None:
-    """Raise a clear error when called under ``torch.no_grad()`` / ``inference_mode()``."""
-    if not torch.is_grad_enabled():
-        raise RuntimeError(
-            f"{where} was called with gradients disabled (inside torch.no_grad() or "
-            "torch.inference_mode()); it runs training steps (forward and backward) to measure "
-            f"them. Call it outside that block, or wrap the call in torch.enable_grad()."
-        )
-
-
-class BufferSnapshot:
-    """The values of a model's buffers (BatchNorm running statistics, counters), put back later.
-
-    The profile's steps run the model in its current mode; in training mode
-    they update running statistics, which must not count as the user's steps.
-    """
-
-    def __init__(self, model: nn.Module) -> None:
-        self.saved: list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]] = []
-        for mod in model.modules():
-            for name, buf in mod._buffers.items():
-                if buf is None or nn.parameter.is_lazy(buf):
-                    continue
-                self.saved.append((mod._buffers, name, buf, buf.detach().clone()))
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            for store, name, buf, value in self.saved:
-                buf.copy_(value)
-                store[name] = buf  # a step that replaced the buffer gets the original back
 
 
 class _Timer:
@@ -217,14 +157,6 @@ def _threads(device: torch.device, threads: int | None) -> Iterator[None]:
         torch.set_num_threads(n)
 
 
-def _device_of(model: nn.Module, args: Any) -> torch.device:
-    found: list[torch.Tensor] = []
-    tensors_in(args, found)
-    for t in [*found, *model.parameters()]:
-        return t.device
-    return torch.device("cpu")
-
-
 def profile(
     model: nn.Module,
     *args: Any,
@@ -273,14 +205,12 @@ def profile(
         >>> [b.name for b in prof.blocks]
         ['0', '1', '2']
     """
-    from ._apply import apply_decision, restore_state, snapshot_state
-
     check_grad_enabled("remat.profile")
     if timer not in ("time", "flops"):
         raise ValueError(f"remat.profile: timer must be 'time' or 'flops', got {timer!r}.")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"remat.profile: repeats must be an int >= 1, got {repeats!r}.")
-    device = _device_of(model, args)
+    device = device_of(model, args)
     if decisions is None:
         decisions = ["keep", "recompute", "selective"] + (
             ["offload"] if device.type != "cpu" else []
@@ -314,7 +244,7 @@ def profile(
         torch.set_rng_state(rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
-        _loss(model(*args, **kwargs), loss_fn).backward()
+        loss_of(model(*args, **kwargs), loss_fn).backward()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         end = time.thread_time() if device.type == "cpu" and threads == 1 else time.perf_counter()
@@ -351,7 +281,7 @@ def profile(
             try:
                 # Memory: bytes do not depend on threads, so this step runs at full speed;
                 # its time is not used (the tracker's per-op work would inflate it).
-                with memory.track_modules(blocks, _tracked(device)) as (tracker, stats):
+                with memory.track_modules(blocks, counted_device(device)) as (tracker, stats):
                     top_watch.tracker = tracker
                     step()
             finally:
@@ -440,8 +370,6 @@ class _CallCount:
 
     def hook(self, name: str) -> Callable[[Any, Any], None]:
         def pre(module: Any, args: Any) -> None:
-            from ._config import is_recomputing
-
             if not is_recomputing():
                 self.counts[name] = self.counts.get(name, 0) + 1
 
@@ -482,12 +410,6 @@ class _TopWatch:
         if self.tracker is not None and self.window is not None:
             self.peak = self.tracker.close_window(self.window)
             self.window = None
-
-
-def _tracked(device: torch.device) -> torch.device | None:
-    """The device whose bytes the planner counts: the model's (host buffers of offload
-    are not activation memory there); everything on CPU."""
-    return None if device.type == "cpu" else device
 
 
 def _clock(device: torch.device, threads: int | None) -> Callable[[], float]:
@@ -538,7 +460,7 @@ def _flop_costs(
     """FLOPs each decision recomputes: the block's forward FLOPs outside the saved ops."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from .policies import matmul_ops
+    from ..policies import matmul_ops
 
     saved = {op.overloadpacket for op in matmul_ops()}
     out: dict[str, dict[str, float]] = {d: {} for d in decisions}

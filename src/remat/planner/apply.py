@@ -6,12 +6,10 @@ from typing import Any
 
 from torch import nn
 
-from ._errors import PlanError
-from ._plan import DECISIONS
-from ._wrap import _ATTR, _install, _Options, checkpoint_wrapper, unwrap
-from .policies import save_matmuls
-
-_KEYS = ("forward", "extra_repr", "_replicate_for_data_parallel", _ATTR)
+from .._errors import PlanError
+from .._wrap import checkpoint_wrapper, offload_only, set_wrapping_state, unwrap, wrapping_state
+from ..policies import save_matmuls
+from .model import DECISIONS
 
 
 def apply_decision(module: nn.Module, decision: str) -> None:
@@ -24,21 +22,18 @@ def apply_decision(module: nn.Module, decision: str) -> None:
     elif decision == "selective":
         checkpoint_wrapper(module, policy=save_matmuls())
     elif decision == "offload":
-        object.__setattr__(module, _ATTR, _Options(offload_only=True))
-        _install(module, module.__dict__.get("forward"))
+        offload_only(module)
 
 
 def snapshot_state(blocks: dict[str, nn.Module]) -> dict[str, dict[str, Any]]:
     """The wrapping state of each block, for :func:`restore_state`."""
-    return {n: {k: m.__dict__[k] for k in _KEYS if k in m.__dict__} for n, m in blocks.items()}
+    return {n: wrapping_state(m) for n, m in blocks.items()}
 
 
 def restore_state(blocks: dict[str, nn.Module], state: dict[str, dict[str, Any]]) -> None:
     """Put the blocks' wrapping back as :func:`snapshot_state` found it."""
     for n, m in blocks.items():
-        for k in _KEYS:
-            m.__dict__.pop(k, None)
-        m.__dict__.update(state[n])
+        set_wrapping_state(m, state[n])
 
 
 def apply_plan(plan: Any, model: nn.Module) -> nn.Module:

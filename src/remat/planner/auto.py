@@ -9,9 +9,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import memory
-from ._plan import Plan, parse_budget, plan
-from ._profile import BufferSnapshot, _device_of, _loss, _tracked, check_grad_enabled, profile
+from .. import memory
+from .._modelinfo import BufferSnapshot, check_grad_enabled, counted_device, device_of, loss_of
+from .measure import profile
+from .model import parse_budget
+from .plan import Plan, plan
 
 log = logging.getLogger("remat")
 
@@ -42,11 +44,11 @@ def measure_peak(
     buffers = BufferSnapshot(model)
     try:
         # allocate gradients first
-        _loss(model(*args, **kwargs), loss_fn, "remat.measure_peak").backward()
+        loss_of(model(*args, **kwargs), loss_fn, "remat.measure_peak").backward()
         model.zero_grad(set_to_none=False)
         torch.set_rng_state(rng)
-        with memory.track(_tracked(_device_of(model, (args, kwargs)))) as t:
-            _loss(model(*args, **kwargs), loss_fn, "remat.measure_peak").backward()
+        with memory.track(counted_device(device_of(model, (args, kwargs)))) as t:
+            loss_of(model(*args, **kwargs), loss_fn, "remat.measure_peak").backward()
         model.zero_grad(set_to_none=False)
     finally:
         buffers.restore()
