@@ -1,9 +1,11 @@
 """How good are the planner's plans? Brute force every per-block plan of a small GPT.
 
-For each budget (a fraction of the unchecked activation peak), every plan of
-keep / recompute / selective per block is measured (peak with remat.memory,
-step time as the median of interleaved steps); the planner's plan is compared
-with the fastest plan that fits. Also reports profile + solve time.
+For each budget (a percentage, as remat.plan reads it: static bytes plus that share of
+what the unchecked step allocates above them), every plan of keep / recompute /
+selective per block is measured (the absolute step peak of the default loop with
+AdamW, first and later step, by remat.measure_peak; step time as the median of
+interleaved steps: zero_grad, forward, backward, optimizer.step); the planner's plan
+is compared with the fastest plan that fits. Also reports profile + solve time.
 
 Run: python benchmarks/planner_quality.py [--layers 4] [--steps 5] [--json out.json]
 """
@@ -33,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--budgets", default="0.3,0.5,0.7")
+    ap.add_argument("--budgets", default="30,50,70", help="percentages")
+    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "none"])
     ap.add_argument("--json", default=None)
     ap.add_argument(
         "--profile-threads", default="1", help="threads for profiling: a number, or 'current'"
@@ -50,39 +53,52 @@ def main(argv: list[str] | None = None) -> int:
     print("environment:", env)
     model = build(cfg)
     x = example_input(cfg)
+    opt: torch.optim.Optimizer | None = None
+    if args.optimizer == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    elif args.optimizer == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
     t0 = time.perf_counter()
     threads = None if args.profile_threads == "current" else int(args.profile_threads)
-    prof = remat.profile(model, x, threads=threads)
+    prof = remat.profile(model, x, optimizer=opt, threads=threads)
     t_profile = time.perf_counter() - t0
     plans = list(itertools.product(DECS, repeat=cfg.layers))
     peaks, times = {}, {ds: [] for ds in plans}
     for ds in plans:
         for b, d in zip(model.blocks, ds):
             apply_decision(b, d)
-        peaks[ds] = remat.measure_peak(model, x)
+        peaks[ds] = remat.measure_peak(model, x, optimizer=opt)
     for _ in range(args.steps + 1):  # interleaved; the first round is warm-up
         for ds in plans:
             for b, d in zip(model.blocks, ds):
                 apply_decision(b, d)
-            model.zero_grad(set_to_none=False)
+            state = [p.detach().clone() for p in model.parameters()]
             t = time.perf_counter()
+            model.zero_grad()
             model(x).backward()
+            if opt is not None:
+                opt.step()
             times[ds].append(time.perf_counter() - t)
+            with torch.no_grad():  # every plan is timed on the same weights
+                for p, v in zip(model.parameters(), state):
+                    p.copy_(v)
     med = {ds: statistics.median(v[1:]) for ds, v in times.items()}
     keep = med[("keep",) * cfg.layers]
     spread = {ds: statistics.pstdev(v[1:]) for ds, v in times.items()}
     results = []
     print(
-        f"profile time {t_profile:.2f} s; unchecked peak {prof.unchecked_peak_bytes / 2**20:.1f} MiB"
+        f"profile time {t_profile:.2f} s; unchecked step peak "
+        f"{prof.unchecked_peak_bytes / 2**20:.1f} MiB, static {prof.static_step_bytes / 2**20:.1f} MiB"
     )
-    for frac in (float(f) for f in args.budgets.split(",")):
-        budget = int(prof.unchecked_peak_bytes * frac)
+    for pct in args.budgets.split(","):
+        frac = float(pct) / 100
         t0 = time.perf_counter()
         try:
-            p = remat.plan(prof, budget)
+            p = remat.plan(prof, f"{pct}%")
         except remat.PlanError as e:
-            print(f"budget {frac:.0%}: {e}")
+            print(f"budget {pct}%: {e}")
             continue
+        budget = p.budget_bytes
         t_solve = time.perf_counter() - t0
         ours = tuple(p.decisions[f"blocks.{i}"] for i in range(cfg.layers))
         fits = [ds for ds in plans if peaks[ds] <= budget]
@@ -91,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
             "budget": frac,
             "plan": ours,
             "plan_peak_ratio": peaks[ours] / prof.unchecked_peak_bytes,
+            "plan_peak_bytes": peaks[ours],
+            "budget_bytes": budget,
+            "predicted_peak_bytes": p.predicted_peak_bytes,
             "plan_time_ratio": med[ours] / keep,
             "best": best,
             "best_time_ratio": med[best] / keep,
@@ -99,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         }
         results.append(row)
         print(
-            f"budget {frac:.0%}: plan {ours} peak x{row['plan_peak_ratio']:.2f} time "
+            f"budget {pct}% ({budget} B): plan {ours} measured {peaks[ours]} B "
+            f"({'met' if peaks[ours] <= budget else 'MISSED'}; predicted {p.predicted_peak_bytes} B) "
+            f"peak x{row['plan_peak_ratio']:.2f} time "
             f"x{row['plan_time_ratio']:.3f} | best of {len(fits)} fitting plans {best} time "
             f"x{row['best_time_ratio']:.3f} (+-{row['noise_ratio']:.3f}) | solve {t_solve * 1e3:.0f} ms"
         )

@@ -14,7 +14,7 @@ import torch
 import remat
 from remat.bench.models import ModelConfig, build, example_input
 from remat.planner.apply import apply_decision
-from remat.planner.model import predicted_cost, predicted_peak
+from remat.planner.model import predicted_cost
 from remat.planner.solve import brute_force, solve_dp, solve_milp
 
 CFG = ModelConfig(layers=4, d_model=64, seq=32, batch=2, heads=2, vocab=128)
@@ -25,8 +25,16 @@ DECS = ("keep", "recompute", "selective")
 def gpt():
     model = build(CFG)
     x = example_input(CFG)
-    prof = remat.profile(model, x, timer="flops")
+    prof = remat.profile(model, x, timer="flops", set_to_none=False, decisions=DECS)
     return model, x, prof
+
+
+def share(prof, fraction):
+    """The absolute budget at ``fraction`` of the way from static bytes to the unchecked peak,
+    and the activation budget the solvers see."""
+    static = prof.static_step_bytes
+    budget = static + int((prof.unchecked_peak_bytes - static) * fraction)
+    return budget, budget - static
 
 
 def test_predicted_peak_equals_measured_for_all_81_plans(gpt):
@@ -35,8 +43,8 @@ def test_predicted_peak_equals_measured_for_all_81_plans(gpt):
     for ds in itertools.product(DECS, repeat=4):
         for block, d in zip(model.blocks, ds):
             apply_decision(block, d)
-        measured = remat.measure_peak(model, x)
-        predicted = predicted_peak(prof.blocks, prof.top, ds)
+        measured = remat.measure_peak(model, x, set_to_none=False)
+        predicted = prof.peak(ds).bytes
         if predicted != measured:
             mismatches.append((ds, predicted, measured))
     for block in model.blocks:
@@ -47,23 +55,23 @@ def test_predicted_peak_equals_measured_for_all_81_plans(gpt):
 @pytest.mark.parametrize("fraction", [0.35, 0.5, 0.7, 0.9])
 def test_chosen_plan_fits_measured_and_is_cheapest_under_the_model(gpt, fraction):
     model, x, prof = gpt
-    budget = int(prof.unchecked_peak_bytes * fraction)
+    budget, act = share(prof, fraction)
     try:
         p = remat.plan(prof, budget)
     except remat.PlanError:
-        assert brute_force(prof.blocks, prof.top, budget, DECS) is None
+        assert brute_force(prof.blocks, prof.top, act, DECS) is None
         return
     ds = [p.decisions[b.name] for b in prof.blocks]
-    best = brute_force(prof.blocks, prof.top, budget, DECS)
+    best = brute_force(prof.blocks, prof.top, act, DECS)
     assert predicted_cost(prof.blocks, ds) == predicted_cost(prof.blocks, best)
     p.apply(model)
-    assert remat.measure_peak(model, x) <= budget
+    assert remat.measure_peak(model, x, set_to_none=False) <= budget
     assert p.predicted_peak_bytes <= budget
 
 
 def test_flops_profile_is_deterministic(gpt):
     model, x, prof = gpt
-    again = remat.profile(model, x, timer="flops")
+    again = remat.profile(model, x, timer="flops", set_to_none=False, decisions=DECS)
     assert again.to_json() == prof.to_json()
     assert prof.cost_unit == "flop"
     assert all(b.cost["recompute"] > 0 for b in prof.blocks)
@@ -72,7 +80,7 @@ def test_flops_profile_is_deterministic(gpt):
 def test_milp_and_dp_agree_on_a_real_profile(gpt):
     _, _, prof = gpt
     for fraction in (0.4, 0.6, 0.8):
-        budget = int(prof.unchecked_peak_bytes * fraction)
+        _, budget = share(prof, fraction)
         a = solve_dp(prof.blocks, prof.top, budget, DECS)
         b = solve_milp(prof.blocks, prof.top, budget, DECS)
         assert (a is None) == (b is None)
@@ -108,7 +116,7 @@ def test_profile_leaves_the_model_as_it_was():
     model = build(CFG)
     remat.checkpoint_wrapper(model.blocks[1])
     before = repr(model)
-    remat.profile(model, example_input(CFG), timer="flops")
+    remat.profile(model, example_input(CFG), timer="flops", set_to_none=False)
     assert repr(model) == before
 
 
@@ -118,17 +126,19 @@ def test_profile_leaves_input_gradients_as_they_were():
     fresh = torch.randn(4, 8, requires_grad=True)
     x.grad = torch.full((4, 8), 7.0)
     mine = x.grad
-    remat.profile(model, x, timer="flops")
-    remat.profile(model, fresh, timer="flops")
+    remat.profile(model, x, timer="flops", set_to_none=False)
+    remat.profile(model, fresh, timer="flops", set_to_none=False)
     assert x.grad is mine and torch.equal(mine, torch.full((4, 8), 7.0))
     assert fresh.grad is None
 
 
 def test_plan_table_and_apply_to_wrong_model():
     model = build(CFG)
-    p = remat.plan(remat.profile(model, example_input(CFG), timer="flops"), "60%")
+    p = remat.plan(
+        remat.profile(model, example_input(CFG), timer="flops", set_to_none=False), "60%"
+    )
     text = str(p)
-    assert "blocks.0" in text and "predicted peak" in text
+    assert "blocks.0" in text and "predicted step peak" in text
     other = torch.nn.Sequential(torch.nn.Linear(2, 2))
     with pytest.raises(remat.PlanError, match="no submodule named"):
         p.apply(other)
@@ -140,10 +150,11 @@ def test_auto_checkpoint_meets_the_budget_and_keeps_gradients():
     ref = build(CFG)
     torch.manual_seed(0)
     ref(x).backward()
-    unchecked = remat.measure_peak(model, x)
-    p = remat.auto_checkpoint(model, x, budget="50%", timer="flops")
-    assert remat.measure_peak(model, x) <= unchecked // 2
-    assert p.budget_bytes == unchecked // 2
+    unchecked = remat.measure_peak(model, x, set_to_none=False)
+    p = remat.auto_checkpoint(model, x, budget="50%", timer="flops", set_to_none=False)
+    static = remat.profile(model, x, timer="flops", set_to_none=False).static_step_bytes
+    assert p.budget_bytes == static + (unchecked - static) // 2
+    assert remat.measure_peak(model, x, set_to_none=False) <= p.budget_bytes
     model.zero_grad(set_to_none=True)
     torch.manual_seed(0)
     model(x).backward()
@@ -163,7 +174,7 @@ def test_auto_checkpoint_meets_the_budget_and_keeps_gradients():
 )
 def test_profile_rejects_bad_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
-        remat.profile(build(CFG), example_input(CFG), **kwargs)
+        remat.profile(build(CFG), example_input(CFG), **kwargs, set_to_none=False)
 
 
 def test_remat_plan_cli_prints_plan_and_writes_json(tmp_path):
@@ -199,7 +210,7 @@ def test_remat_plan_cli_prints_plan_and_writes_json(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "blocks.0" in proc.stdout and "predicted peak" in proc.stdout
+    assert "blocks.0" in proc.stdout and "predicted step peak" in proc.stdout
     plan = remat.Plan.from_json(out.read_text())
     assert set(plan.decisions) == {"blocks.0", "blocks.1", "blocks.2"}
 
@@ -224,7 +235,7 @@ def test_remat_plan_cli_errors(target, match):
 
 def test_time_profile_has_positive_costs_and_step_cost():
     model = build(CFG)
-    prof = remat.profile(model, example_input(CFG), repeats=1)
+    prof = remat.profile(model, example_input(CFG), repeats=1, set_to_none=False)
     assert prof.cost_unit == "s" and prof.step_cost > 0
     assert all(b.cost["keep"] == 0.0 and b.cost["recompute"] >= 0.0 for b in prof.blocks)
     assert all(
@@ -233,7 +244,7 @@ def test_time_profile_has_positive_costs_and_step_cost():
 
 
 def test_profile_at_current_threads_uses_wall_time():
-    prof = remat.profile(build(CFG), example_input(CFG), repeats=1, threads=None)
+    prof = remat.profile(build(CFG), example_input(CFG), repeats=1, threads=None, set_to_none=False)
     assert prof.step_cost > 0 and all(b.cost["recompute"] >= 0 for b in prof.blocks)
 
 
@@ -243,12 +254,12 @@ def test_offload_decision_on_cuda_fits_budget_and_keeps_grads():
     cfg = ModelConfig(layers=4, d_model=256, seq=128, batch=4, heads=4, vocab=256)
     model = build(cfg, "cuda")
     x = example_input(cfg, "cuda")
-    prof = remat.profile(model, x)
+    prof = remat.profile(model, x, set_to_none=False)
     assert "offload" in prof.decisions
     assert all(b.retained["offload"] < b.retained["keep"] for b in prof.blocks)
     p = remat.plan(prof, "50%")
     p.apply(model)
-    assert remat.measure_peak(model, x) <= p.budget_bytes
+    assert remat.measure_peak(model, x, set_to_none=False) <= p.budget_bytes
     for block in model.blocks:
         apply_decision(block, "offload")
     ref = build(cfg, "cuda")

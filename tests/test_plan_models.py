@@ -13,7 +13,6 @@ from torch import nn
 
 import remat
 from remat.planner.apply import apply_decision
-from remat.planner.model import predicted_peak
 
 
 def _cnn() -> nn.Sequential:
@@ -55,7 +54,7 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
 def test_profile_leaves_batchnorm_running_stats_and_counter_as_they_were():
     model = _cnn()
     before = _state(model)
-    remat.profile(model, _cnn_input(), timer="flops")
+    remat.profile(model, _cnn_input(), timer="flops", set_to_none=False)
     after = model.state_dict()
     _assert_equal_dicts(before, after)  # running_mean, running_var, num_batches_tracked
     assert int(after["0.1.num_batches_tracked"]) == 0
@@ -64,14 +63,14 @@ def test_profile_leaves_batchnorm_running_stats_and_counter_as_they_were():
 def test_measure_peak_leaves_batchnorm_running_stats_as_they_were():
     model = _cnn()
     before = _state(model)
-    remat.measure_peak(model, _cnn_input())
+    remat.measure_peak(model, _cnn_input(), set_to_none=False)
     _assert_equal_dicts(before, model.state_dict())
 
 
 def test_cnn_auto_checkpoint_gives_bitwise_equal_grads_and_one_stats_update():
     model, ref = _cnn(), _cnn()
     x = _cnn_input()
-    p = remat.auto_checkpoint(model, x, budget="85%", timer="flops")
+    p = remat.auto_checkpoint(model, x, budget="85%", timer="flops", set_to_none=False)
     assert "recompute" in p.decisions.values() or "selective" in p.decisions.values()
     _assert_equal_dicts(_state(ref), _state(model))  # planning took no step of its own
     _assert_equal_dicts(_grads(ref, x), _grads(model, x))
@@ -112,7 +111,7 @@ def test_flops_profile_runs_blocks_with_their_keyword_arguments():
     torch.manual_seed(0)
     model = _KwModel()
     x, mask = torch.randn(4, 8), torch.ones(4, 8)
-    prof = remat.profile(model, x, mask=mask, timer="flops")
+    prof = remat.profile(model, x, mask=mask, timer="flops", set_to_none=False)
     # the two Linear layers: 2 * 4 * (8 * 32 + 32 * 8) FLOPs recomputed per block
     assert [b.cost["recompute"] for b in prof.blocks] == [2 * 4 * 512.0] * 3
 
@@ -122,7 +121,7 @@ def test_plan_on_keyword_tuple_blocks_keeps_gradients_bitwise():
     model = _KwModel()
     ref = copy.deepcopy(model)
     x, mask = torch.randn(4, 8, requires_grad=True), torch.ones(4, 8)
-    p = remat.plan(remat.profile(model, x, mask=mask, timer="flops"), "70%")
+    p = remat.plan(remat.profile(model, x, mask=mask, timer="flops", set_to_none=False), "85%")
     assert set(p.decisions.values()) != {"keep"}
     p.apply(model)
     _assert_equal_dicts(_grads(ref, x, mask=mask), _grads(model, x, mask=mask))
@@ -166,7 +165,7 @@ def test_tied_and_frozen_parameters_with_input_without_grad_keep_gradients_bitwi
     model = _Tied()
     ref = copy.deepcopy(model)
     x = torch.randn(4, 8)  # requires no grad
-    remat.auto_checkpoint(model, x, budget=budget, timer="flops")
+    remat.auto_checkpoint(model, x, budget=budget, timer="flops", set_to_none=False)
     g, g_ref = _grads(model, x), _grads(ref, x)
     _assert_equal_dicts(g_ref, g)
     assert "stem.weight" not in g and "blocks.0.lin.weight" in g  # frozen stays frozen
@@ -175,7 +174,7 @@ def test_tied_and_frozen_parameters_with_input_without_grad_keep_gradients_bitwi
 def test_fully_frozen_model_raises_an_error_naming_profile_and_loss_fn():
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)]).requires_grad_(False)
     with pytest.raises(ValueError, match=r"remat\.profile: .*frozen.*loss_fn="):
-        remat.profile(model, torch.randn(4, 8), timer="flops")
+        remat.profile(model, torch.randn(4, 8), timer="flops", set_to_none=False)
 
 
 # ---------------------------------------------------------------- 4. uneven and nested blocks
@@ -205,11 +204,11 @@ class _Uneven(nn.Module):
 def test_uneven_blocks_predicted_peak_equals_measured_and_narrow_blocks_stay_kept():
     torch.manual_seed(0)
     model, x = _Uneven(), torch.randn(8, 16)
-    prof = remat.profile(model, x, timer="flops")
+    prof = remat.profile(model, x, timer="flops", set_to_none=False)
     for ds in itertools.product(("keep", "recompute"), repeat=4):
         for block, d in zip(model.blocks, ds):
             apply_decision(block, d)
-        assert remat.measure_peak(model, x) == predicted_peak(prof.blocks, prof.top, ds), ds
+        assert remat.measure_peak(model, x, set_to_none=False) == prof.peak(ds).bytes, ds
     for block in model.blocks:
         apply_decision(block, "keep")
     # a budget near the unchecked peak: only a wide block is worth changing
@@ -235,13 +234,13 @@ def test_predicted_peak_is_exact_when_a_block_output_is_only_held_by_a_selective
         )
         check = {}
     x = torch.randn(8, 16, requires_grad=True)
-    prof = remat.profile(model, x, timer="flops", **check)
+    prof = remat.profile(model, x, timer="flops", **check, set_to_none=False)
     blocks = [model.get_submodule(b.name) for b in prof.blocks]
     choices = ("keep", "recompute", "selective")
     for ds in itertools.product(choices, repeat=len(blocks)):  # 27 and 81 plans
         for block, d in zip(blocks, ds):
             apply_decision(block, d)
-        assert remat.measure_peak(model, x) == predicted_peak(prof.blocks, prof.top, ds), ds
+        assert remat.measure_peak(model, x, set_to_none=False) == prof.peak(ds).bytes, ds
 
 
 class _Staged(nn.Module):
@@ -264,11 +263,15 @@ def test_check_fn_selecting_nested_blocks_plans_them_and_keeps_gradients_bitwise
     torch.manual_seed(0)
     model, x = _Staged(), torch.randn(8, 16)
     ref = copy.deepcopy(model)
-    prof = remat.profile(model, x, timer="flops", check_fn=lambda n, m: isinstance(m, _Res))
+    prof = remat.profile(
+        model, x, timer="flops", check_fn=lambda n, m: isinstance(m, _Res), set_to_none=False
+    )
     assert [b.name for b in prof.blocks] == ["stages.0.0", "stages.0.1", "stages.1.0", "stages.1.1"]
     p = remat.plan(prof, "80%")
     p.apply(model)
-    assert remat.measure_peak(model, x) == p.predicted_peak_bytes <= p.budget_bytes
+    assert (
+        remat.measure_peak(model, x, set_to_none=False) == p.predicted_peak_bytes <= p.budget_bytes
+    )
     _assert_equal_dicts(_grads(ref, x), _grads(model, x))
 
 
@@ -294,7 +297,7 @@ def test_profile_rejects_blocks_that_do_not_run_exactly_once(forward_blocks, cou
     before = _state(model)
     for timer in ("flops", "time"):
         with pytest.raises(ValueError, match=f"{count}.*check_fn="):
-            remat.profile(model, torch.randn(4, 8), timer=timer, repeats=1)
+            remat.profile(model, torch.randn(4, 8), timer=timer, repeats=1, set_to_none=False)
     _assert_equal_dicts(before, model.state_dict())
 
 
@@ -306,7 +309,7 @@ def test_dropout_model_in_train_mode_keeps_gradients_bitwise_and_mode():
     model = _Tied(p=0.3)
     ref = copy.deepcopy(model)
     x = torch.randn(4, 8)
-    remat.auto_checkpoint(model, x, budget="90%", timer="flops")
+    remat.auto_checkpoint(model, x, budget="90%", timer="flops", set_to_none=False)
     assert model.training
     _assert_equal_dicts(_grads(ref, x), _grads(model, x))
 
@@ -315,9 +318,9 @@ def test_eval_mode_profile_stays_in_eval_and_drops_dropout_masks():
     torch.manual_seed(0)
     model = _Tied(p=0.3)
     x = torch.randn(4, 8)
-    train_peak = remat.profile(model, x, timer="flops").unchecked_peak_bytes
+    train_peak = remat.profile(model, x, timer="flops", set_to_none=False).unchecked_peak_bytes
     model.eval()
-    eval_peak = remat.profile(model, x, timer="flops").unchecked_peak_bytes
+    eval_peak = remat.profile(model, x, timer="flops", set_to_none=False).unchecked_peak_bytes
     assert not model.training and not any(m.training for m in model.modules())
     assert eval_peak < train_peak  # no dropout masks are saved in eval mode
 
@@ -326,9 +329,9 @@ def test_eval_mode_profile_stays_in_eval_and_drops_dropout_masks():
 @pytest.mark.parametrize(
     "call",
     [
-        lambda m, x: remat.profile(m, x, timer="flops"),
-        lambda m, x: remat.auto_checkpoint(m, x, budget="60%", timer="flops"),
-        lambda m, x: remat.measure_peak(m, x),
+        lambda m, x: remat.profile(m, x, timer="flops", set_to_none=False),
+        lambda m, x: remat.auto_checkpoint(m, x, budget="60%", timer="flops", set_to_none=False),
+        lambda m, x: remat.measure_peak(m, x, set_to_none=False),
     ],
     ids=["profile", "auto_checkpoint", "measure_peak"],
 )
@@ -346,7 +349,7 @@ def test_planning_with_gradients_disabled_says_to_leave_no_grad(context, call):
 
 @pytest.fixture(scope="module")
 def cnn_profile():
-    return remat.profile(_cnn(), _cnn_input(), timer="flops")
+    return remat.profile(_cnn(), _cnn_input(), timer="flops", set_to_none=False)
 
 
 @pytest.mark.parametrize(
@@ -362,14 +365,16 @@ def cnn_profile():
 def test_good_budgets_are_read_as_bytes(cnn_profile, budget, expected):
     p = remat.plan(cnn_profile, budget)
     if isinstance(expected, float):
-        expected = int(cnn_profile.unchecked_peak_bytes * expected)
+        static = cnn_profile.static_step_bytes
+        expected = static + int((cnn_profile.unchecked_peak_bytes - static) * expected)
     assert p.budget_bytes == expected
     assert set(p.decisions.values()) == {"keep"}
 
 
-def test_percent_budget_is_a_share_of_the_unchecked_peak(cnn_profile):
+def test_percent_budget_is_a_share_of_what_the_unchecked_step_allocates(cnn_profile):
     p = remat.plan(cnn_profile, "90%")
-    assert p.budget_bytes == int(cnn_profile.unchecked_peak_bytes * 0.9)
+    static = cnn_profile.static_step_bytes
+    assert p.budget_bytes == static + int((cnn_profile.unchecked_peak_bytes - static) * 0.9)
     assert p.predicted_peak_bytes <= p.budget_bytes
 
 
@@ -403,20 +408,22 @@ def test_plan_json_round_trip_applies_to_a_fresh_instance_with_equal_gradients()
     torch.manual_seed(0)
     model = _Uneven()
     x = torch.randn(8, 16)
-    p = remat.plan(remat.profile(model, x, timer="flops"), "90%")
+    p = remat.plan(remat.profile(model, x, timer="flops", set_to_none=False), "90%")
     loaded = remat.Plan.from_json(p.to_json())
     assert loaded == p
     torch.manual_seed(0)
     fresh = _Uneven()
     ref = copy.deepcopy(fresh)
     loaded.apply(fresh)
-    assert remat.measure_peak(fresh, x) == p.predicted_peak_bytes
+    assert remat.measure_peak(fresh, x, set_to_none=False) == p.predicted_peak_bytes
     _assert_equal_dicts(_grads(ref, x), _grads(fresh, x))
 
 
 def test_applying_a_plan_to_a_model_with_other_block_names_raises_and_changes_nothing():
     torch.manual_seed(0)
-    p = remat.plan(remat.profile(_Uneven(), torch.randn(8, 16), timer="flops"), "90%")
+    p = remat.plan(
+        remat.profile(_Uneven(), torch.randn(8, 16), timer="flops", set_to_none=False), "90%"
+    )
 
     class Renamed(nn.Module):
         def __init__(self) -> None:

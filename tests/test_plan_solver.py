@@ -92,17 +92,28 @@ def test_milp_solves_a_hundred_blocks_and_matches_dp():
         ("12.5%", 125),
         (4096, 4096),  # bytes
         ("2KiB", 2048),
-        ("1.5 MB", int(1.5 * 2**20)),
+        ("1.5 MiB", int(1.5 * 2**20)),
+        ("1.5 MB", 1_500_000),  # decimal prefixes are powers of 1000
+        ("18GB", 18 * 10**9),
     ],
 )
 def test_parse_budget(budget, expected):
-    assert parse_budget(budget, 1000) == expected
+    assert parse_budget(budget, 0, 1000) == expected
+
+
+def test_percent_budget_is_static_plus_a_share_of_what_the_step_allocates_above_it():
+    assert parse_budget("50%", 400, 1000) == 700
+
+
+def test_a_fraction_as_budget_suggests_a_percentage():
+    with pytest.raises(ValueError, match="'50%'"):
+        parse_budget(0.5, 0, 1000)
 
 
 @pytest.mark.parametrize("bad", ["lots", "-5%", 0, -3, True])
 def test_parse_budget_rejects_garbage_with_a_hint(bad):
     with pytest.raises((ValueError, TypeError), match="budget"):
-        parse_budget(bad, 1000)
+        parse_budget(bad, 0, 1000)
 
 
 def test_plan_json_round_trip_and_table():
@@ -118,4 +129,4 @@ def test_plan_json_round_trip_and_table():
     q = Plan.from_json(p.to_json())
     assert q == p
     text = str(p)
-    assert "blocks.0" in text and "recompute" in text and "predicted peak 3.00 MiB" in text
+    assert "blocks.0" in text and "recompute" in text and "predicted step peak 3.00 MiB" in text

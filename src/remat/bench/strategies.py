@@ -203,12 +203,9 @@ def _auto(model: nn.Module, example: Any, *, pct: int) -> None:
         auto_checkpoint(model, example, budget=f"{pct}%", quiet=True)
     except PlanError:
         from ..planner.measure import profile
-        from ..planner.solve import smallest_peak
 
         prof = profile(model, example)
-        auto_checkpoint(
-            model, example, budget=smallest_peak(prof.blocks, prof.top, prof.decisions), quiet=True
-        )
+        auto_checkpoint(model, example, budget=prof.floor_bytes, quiet=True)
 
 
 DEFAULT = (

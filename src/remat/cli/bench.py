@@ -303,11 +303,10 @@ def _frontier(cfg: ModelConfig, device: torch.device, rows: Any) -> tuple[list[f
     from ..bench.models import example_input
     from ..planner.measure import profile
     from ..planner.plan import plan
-    from ..planner.solve import smallest_peak
 
     model = build(cfg, device)
     prof = profile(model, example_input(cfg, device))
-    lo = smallest_peak(prof.blocks, prof.top, prof.decisions)
+    lo = prof.floor_bytes
     xs: list[float] = []
     ys: list[float] = []
     for k in range(21):

@@ -46,12 +46,37 @@ def add_parser(sub: Any) -> None:
         help="e.g. mypkg.models:make_model, or a file: path/to/models.py:make_model",
     )
     p.add_argument(
-        "--budget", required=True, help="bytes, '18GiB', or '60%%' of the unchecked peak"
+        "--budget",
+        required=True,
+        help="the training step's peak: bytes, '18GiB' ('18GB' = 18e9), or '60%%' of what the "
+        "unchecked step allocates above its static bytes",
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=tuple(OPTIMIZERS),
+        default="none",
+        help="the optimizer of your loop, made with torch's defaults on the model's parameters "
+        "(its state and step are part of the peak; default: none)",
+    )
+    p.add_argument(
+        "--keep-grads",
+        action="store_true",
+        help="your loop keeps gradients allocated (zero_grad(set_to_none=False), accumulation)",
     )
     p.add_argument("--timer", choices=("time", "flops"), default="time", help="cost measure")
     p.add_argument("--solver", choices=("auto", "milp", "dp"), default="auto")
     p.add_argument("--json", metavar="FILE", default=None, help="also write the plan as JSON")
     p.set_defaults(run=main)
+
+
+#: ``--optimizer`` names and how each optimizer is made (torch's default hyper-parameters).
+OPTIMIZERS: dict[str, Any] = {
+    "none": None,
+    "sgd": lambda params: torch.optim.SGD(params, lr=1e-3),
+    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
+    "adam": lambda params: torch.optim.Adam(params),
+    "adamw": lambda params: torch.optim.AdamW(params),
+}
 
 
 def _import(mod_name: str) -> Any:
@@ -153,7 +178,7 @@ def _hint(target: str, example_was_tuple: bool) -> str:
 def _check(args: argparse.Namespace) -> None:
     """Check the values that need no model, before it is built and profiled."""
     try:
-        parse_budget(args.budget, 2**62)  # a percentage is checked against the profile later
+        parse_budget(args.budget, 0, 2**62)  # a percentage is checked against the profile later
     except ValueError as e:
         raise UsageError(
             f"--budget {args.budget!r}: {str(e).removeprefix('remat.plan: ')}"
@@ -172,7 +197,11 @@ def main(args: argparse.Namespace) -> int:
         _check(args)
         model, example, was_tuple = _load(args.target)
         try:
-            prof = profile(model, *example, timer=args.timer)
+            make = OPTIMIZERS[args.optimizer]
+            opt = None if make is None else make(model.parameters())
+            prof = profile(
+                model, *example, optimizer=opt, set_to_none=not args.keep_grads, timer=args.timer
+            )
         except Exception as e:  # the model cannot be run or planned as given
             if isinstance(e, PlanError) or str(e).startswith("remat."):
                 raise RunError(str(e)) from None  # remat's own message says what to change
@@ -185,9 +214,10 @@ def main(args: argparse.Namespace) -> int:
         except (PlanError, ValueError) as e:
             raise UsageError(str(e)) from None
         print(
-            f"remat plan: {len(prof.blocks)} blocks, unchecked activation peak "
-            f"{_fmt(prof.unchecked_peak_bytes)}, device {prof.device}, "
-            f"cost in {prof.cost_unit}"
+            f"remat plan: {len(prof.blocks)} blocks, unchecked step peak "
+            f"{_fmt(prof.unchecked_peak_bytes)} (before it starts: {_fmt(prof.static_step_bytes)} of "
+            "parameters, buffers, inputs, kept gradients and optimizer state), "
+            f"device {prof.device}, cost in {prof.cost_unit}"
         )
         print(chosen)
         if args.json is not None:

@@ -1,4 +1,11 @@
-"""Putting planner decisions on modules: keep, recompute, selective, offload."""
+"""Putting planner decisions on modules: keep, recompute, selective, offload, split.
+
+``split`` checkpoints the block and, nested inside it, each of its children that
+has parameters (attention, MLP, norms): the block's recompute keeps only the
+children's inputs, and each child is recomputed again for its own backward, so
+the working set of one recompute is one child's rather than the whole block's
+(below the every-block floor, at about twice the recompute time).
+"""
 
 from __future__ import annotations
 
@@ -12,12 +19,33 @@ from ..policies import save_matmuls
 from .model import DECISIONS
 
 
+def split_children(module: nn.Module) -> list[nn.Module]:
+    """The children ``split`` checkpoints: those with parameters."""
+    return [c for c in module.children() if any(True for _ in c.parameters())]
+
+
+def can_split(module: nn.Module) -> bool:
+    """Whether ``split`` means anything for ``module``: two or more children to checkpoint."""
+    return len(split_children(module)) >= 2
+
+
 def apply_decision(module: nn.Module, decision: str) -> None:
     """Make ``module`` run as ``decision`` says (in place)."""
     if decision not in DECISIONS:
         raise PlanError(f"unknown decision {decision!r}; expected one of {list(DECISIONS)}.")
     unwrap(module)
-    if decision == "recompute":
+    for child in split_children(module):
+        unwrap(child)
+    if decision == "split":
+        if not can_split(module):
+            raise PlanError(
+                f"decision 'split' needs a block with two or more children that have "
+                f"parameters; {type(module).__name__} has {len(split_children(module))}."
+            )
+        checkpoint_wrapper(module)
+        for child in split_children(module):
+            checkpoint_wrapper(child)
+    elif decision == "recompute":
         checkpoint_wrapper(module)
     elif decision == "selective":
         checkpoint_wrapper(module, policy=save_matmuls())
@@ -25,15 +53,20 @@ def apply_decision(module: nn.Module, decision: str) -> None:
         offload_only(module)
 
 
-def snapshot_state(blocks: dict[str, nn.Module]) -> dict[str, dict[str, Any]]:
-    """The wrapping state of each block, for :func:`restore_state`."""
-    return {n: wrapping_state(m) for n, m in blocks.items()}
+def snapshot_state(blocks: dict[str, nn.Module]) -> dict[str, list[tuple[nn.Module, Any]]]:
+    """The wrapping state of each block and of its children, for :func:`restore_state`."""
+    return {
+        n: [(x, wrapping_state(x)) for x in [m, *split_children(m)]] for n, m in blocks.items()
+    }
 
 
-def restore_state(blocks: dict[str, nn.Module], state: dict[str, dict[str, Any]]) -> None:
-    """Put the blocks' wrapping back as :func:`snapshot_state` found it."""
-    for n, m in blocks.items():
-        set_wrapping_state(m, state[n])
+def restore_state(
+    blocks: dict[str, nn.Module], state: dict[str, list[tuple[nn.Module, Any]]]
+) -> None:
+    """Put the blocks' (and their children's) wrapping back as :func:`snapshot_state` found it."""
+    for n in blocks:
+        for x, st in state[n]:
+            set_wrapping_state(x, st)
 
 
 def apply_plan(plan: Any, model: nn.Module) -> nn.Module:

@@ -1,4 +1,4 @@
-"""``remat.auto_checkpoint``: profile, plan, apply, then check one real step."""
+"""``remat.auto_checkpoint``: profile, plan, apply, then check real steps; ``measure_peak``."""
 
 from __future__ import annotations
 
@@ -10,73 +10,162 @@ import torch
 from torch import nn
 
 from .. import memory
-from .._modelinfo import BufferSnapshot, check_grad_enabled, counted_device, device_of, loss_of
+from .._errors import PlanError
+from .._modelinfo import (
+    candidates,
+    check_grad_enabled,
+    check_module,
+    counted_device,
+    device_of,
+    loss_of,
+)
+from .._tree import tensors_in
+from .apply import restore_state, snapshot_state
 from .measure import profile
-from .model import parse_budget
+from .model import fmt_bytes, parse_budget
 from .plan import Plan, plan
+from .state import StepState, grad_bytes, optimizer_tensors, static_bytes, storage_bytes
 
 log = logging.getLogger("remat")
+
+
+def step_peaks(
+    model: nn.Module,
+    *args: Any,
+    optimizer: torch.optim.Optimizer | None = None,
+    set_to_none: bool = True,
+    steps: int = 2,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    **kwargs: Any,
+) -> list[int]:
+    """The peak of each of ``steps`` steps of the default loop, absolute bytes.
+
+    The loop is the one :mod:`remat.planner.model` describes (gradients
+    cleared as ``set_to_none`` says, forward, loss, backward,
+    ``optimizer.step()``), from an empty optimizer state, so the first step
+    creates it. Bytes are static (parameters, buffers, inputs), kept
+    gradients and optimizer state at the step's start, plus the peak of what
+    the step allocates (:func:`remat.memory.track`), on the model's device.
+    Everything the steps change is put back afterwards (see
+    :class:`~remat.planner.state.StepState`).
+    """
+    check_module(model, "remat.measure_peak")
+    check_grad_enabled("remat.measure_peak")
+    device = device_of(model, (args, kwargs))
+    counted = counted_device(device)
+    inputs: list[torch.Tensor] = []
+    tensors_in((args, kwargs), inputs)
+    state = StepState(model, [t for t in inputs if t.is_leaf and t.requires_grad], optimizer, device)
+    peaks = []
+    try:
+        state.fresh_optimizer_state()
+        if not set_to_none:  # the gradients exist before the step, as in the user's loop
+            state.reset_rng()
+            loss_of(model(*args, **kwargs), loss_fn, "remat.measure_peak").backward()
+        for _ in range(steps):
+            for t in state.leaves:
+                if set_to_none:
+                    t.grad = None
+                elif t.grad is not None:
+                    t.grad.detach_().zero_()
+            base = (
+                static_bytes(model, (args, kwargs), counted)
+                + grad_bytes(state.params, counted)
+                + storage_bytes(optimizer_tensors(optimizer), counted)
+            )
+            state.reset_rng()
+            with memory.track(counted) as tracker:
+                out = model(*args, **kwargs)
+                loss = loss_of(out, loss_fn, "remat.measure_peak")
+                loss.backward()
+                if optimizer is not None:
+                    optimizer.step()
+                del out, loss
+            peaks.append(base + tracker.peak_bytes)
+    finally:
+        state.restore()
+    return peaks
 
 
 def measure_peak(
     model: nn.Module,
     *args: Any,
+    optimizer: torch.optim.Optimizer | None = None,
+    set_to_none: bool = True,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     **kwargs: Any,
 ) -> int:
-    """Peak activation bytes of one training step (gradients allocated beforehand).
+    """Peak bytes of a training step of the default loop, in the units of a budget.
 
-    On a device, the bytes of that device (the device of the first tensor
-    argument, else of the parameters); host buffers of offloading are not counted.
+    The larger of the first step (the optimizer creates its state) and a
+    later one; absolute bytes (parameters, buffers, inputs, gradients,
+    optimizer state, activations) on the model's device (the device of the
+    first tensor argument, else of the parameters; host buffers of offloading
+    are not counted). The steps start from the current RNG state and leave
+    everything as it was: parameters, gradients, optimizer state, buffers
+    (BatchNorm running statistics), RNG.
 
-    The step starts from the current RNG state, which is restored afterwards,
-    as are the model's buffers (BatchNorm running statistics); gradients are
-    left zeroed.
+    Args:
+        model: the model.
+        *args: inputs.
+        optimizer: the optimizer the loop steps (``None``: no optimizer step).
+        set_to_none: gradients freed before each step (``zero_grad()``'s default)
+            or kept and zeroed (``False``).
+        loss_fn: output -> scalar loss; default: sum of the floating outputs.
+        **kwargs: keyword inputs of the model.
 
     Example:
         >>> import torch, remat
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
-        >>> remat.measure_peak(model, torch.randn(4, 8)) > 0
+        >>> x = torch.randn(4, 8)
+        >>> remat.measure_peak(model, x) >= 4 * (8 * 8 + 8) + 4 * 4 * 8   # parameters, input
         True
     """
-    check_grad_enabled("remat.measure_peak")
-    rng = torch.get_rng_state()
-    buffers = BufferSnapshot(model)
-    try:
-        # allocate gradients first
-        loss_of(model(*args, **kwargs), loss_fn, "remat.measure_peak").backward()
-        model.zero_grad(set_to_none=False)
-        torch.set_rng_state(rng)
-        with memory.track(counted_device(device_of(model, (args, kwargs)))) as t:
-            loss_of(model(*args, **kwargs), loss_fn, "remat.measure_peak").backward()
-        model.zero_grad(set_to_none=False)
-    finally:
-        buffers.restore()
-        torch.set_rng_state(rng)
-    return t.peak_bytes
+    steps = 2 if optimizer is not None else 1
+    return max(
+        step_peaks(
+            model,
+            *args,
+            optimizer=optimizer,
+            set_to_none=set_to_none,
+            steps=steps,
+            loss_fn=loss_fn,
+            **kwargs,
+        )
+    )
 
 
 def auto_checkpoint(
     model: nn.Module,
     *args: Any,
     budget: int | float | str,
+    optimizer: torch.optim.Optimizer | None = None,
+    set_to_none: bool = True,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     check_fn: Callable[[str, nn.Module], bool] | None = None,
     timer: str = "time",
     quiet: bool = False,
     **kwargs: Any,
 ) -> Plan:
-    """Profile, plan for ``budget``, apply in place, and check one measured step.
+    """Profile, plan for ``budget``, apply in place, and check real steps.
 
-    If the measured peak is over the budget (the model is a prediction), the
-    plan is made again with the budget lowered by the overshoot, up to three
-    times, and this is logged (logger ``"remat"``) unless ``quiet``.
+    After applying, the first and a later step are measured
+    (:func:`measure_peak`). If the measured peak is over the budget (the model
+    is a prediction), the plan is made again with the budget lowered by the
+    overshoot, up to three times, and this is logged (logger ``"remat"``)
+    unless ``quiet``. If it still misses, the blocks are put back as they were
+    and :class:`~remat.PlanError` is raised: a plan known to be over budget is
+    never returned.
 
     Args:
         model: changed in place.
         *args: example inputs.
-        budget: as in :func:`remat.plan` (bytes, ``"18GiB"`` or ``"60%"`` of the
-            unchecked activation peak).
+        budget: as in :func:`remat.plan`: the step's peak in bytes (``2**30``,
+            ``"18GiB"``) or ``"60%"`` of what the unchecked step allocates above
+            its static bytes.
+        optimizer: the optimizer of the training loop (its state and step are
+            part of the peak); ``None`` models no optimizer step.
+        set_to_none: how the loop clears gradients (see :func:`remat.profile`).
         loss_fn: output -> scalar loss; default: sum of the floating outputs.
         check_fn: picks the candidate blocks (default: the repeated blocks).
         timer: ``"time"`` or ``"flops"`` (see :func:`remat.profile`).
@@ -84,28 +173,52 @@ def auto_checkpoint(
         **kwargs: keyword inputs of the model.
 
     Returns:
-        The applied :class:`Plan` (its ``predicted_peak_bytes`` is the model's prediction).
+        The applied :class:`Plan` (its ``predicted_peak_bytes`` is the model's
+        prediction; the measured peak is within ``budget_bytes``).
+
+    Raises:
+        PlanError: no plan reaches the budget, or the measured peak stays over it.
 
     Example:
         >>> import torch, remat
         >>> def block():
         ...     return torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU(), torch.nn.Linear(128, 32))
         >>> model = torch.nn.Sequential(*[block() for _ in range(4)])
-        >>> p = remat.auto_checkpoint(model, torch.randn(16, 32), budget="80%", timer="flops")
-        >>> p.predicted_peak_bytes <= p.budget_bytes
+        >>> opt = torch.optim.AdamW(model.parameters())
+        >>> x = torch.randn(64, 32)
+        >>> p = remat.auto_checkpoint(model, x, budget="80%", optimizer=opt, timer="flops")
+        >>> remat.measure_peak(model, x, optimizer=opt) <= p.budget_bytes
         True
     """
+    check_module(model, "remat.auto_checkpoint")
     check_grad_enabled("remat.auto_checkpoint")
-    prof = profile(model, *args, loss_fn=loss_fn, check_fn=check_fn, timer=timer, **kwargs)
-    target = parse_budget(budget, prof.unchecked_peak_bytes)
+    prof = profile(
+        model,
+        *args,
+        optimizer=optimizer,
+        set_to_none=set_to_none,
+        loss_fn=loss_fn,
+        check_fn=check_fn,
+        timer=timer,
+        **kwargs,
+    )
+    target = parse_budget(budget, prof.static_step_bytes, prof.unchecked_peak_bytes)
+    chosen = plan(prof, target)
+    blocks = {n: model.get_submodule(n) for n in candidates(model, check_fn)}
+    wrapping = snapshot_state(blocks)
     goal = target
-    chosen = plan(prof, goal)
+    measured = 0
     for attempt in range(4):
         chosen.apply(model)
-        measured = measure_peak(model, *args, loss_fn=loss_fn, **kwargs)
-        if measured <= target or attempt == 3:
+        measured = measure_peak(
+            model, *args, optimizer=optimizer, set_to_none=set_to_none, loss_fn=loss_fn, **kwargs
+        )
+        if measured <= target:
+            chosen.budget_bytes = target
+            return chosen
+        if attempt == 3:
             break
-        goal = max(1, goal - (measured - target))  # below 1 byte plan() raises PlanError
+        goal -= measured - target
         if not quiet:
             log.warning(
                 "remat.auto_checkpoint: measured peak %d B is over the budget %d B; planning "
@@ -114,6 +227,15 @@ def auto_checkpoint(
                 target,
                 goal,
             )
-        chosen = plan(prof, goal)
-    chosen.budget_bytes = target
-    return chosen
+        try:
+            chosen = plan(prof, max(goal, 1))
+        except PlanError:
+            break
+    restore_state(blocks, wrapping)
+    raise PlanError(
+        f"remat.auto_checkpoint: the measured step peak {fmt_bytes(measured)} ({measured} bytes) "
+        f"stays over the budget {fmt_bytes(target)} ({target} bytes) after re-planning "
+        f"(predicted {fmt_bytes(chosen.predicted_peak_bytes)}); the model was left as it was. "
+        "Raise the budget, use a smaller batch, or pick finer blocks (check_fn=...); if the "
+        "prediction is far off, please report the model."
+    )

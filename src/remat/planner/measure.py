@@ -1,31 +1,31 @@
-"""``remat.profile``: measure what each candidate block costs under each decision.
+"""``remat.profile``: measure a training step and what each decision does to its blocks.
 
-A few instrumented training steps, one per decision, with every candidate
-block under that decision (all ``keep``, all ``recompute``, all ``selective``,
-and all ``offload`` on a device). Each step runs from the same RNG state,
-with gradients allocated beforehand so that :func:`remat.memory.track_modules`
-sees activations only. Per block it records the terms of the planner's model
-(:mod:`remat.planner.model`): bytes retained after its forward, the excess peak during
-its forward and during its backward, and the bytes alive when its forward and
-its backward start (under ``keep``); plus ``top``, the peak between the last
-block's forward and its backward (loss, logits).
+A few instrumented training steps of the default loop (see
+:mod:`remat.planner.model`), all from the same RNG state:
 
-Time is measured per block, forward plus backward (recompute included), and
-the cost of a decision is its extra time over ``keep``. On CPU the steps run
-with one thread and use thread CPU time (``time.thread_time``), the minimum
-of ``repeats`` runs; on a GPU, wall time around synchronised boundaries. With
-``timer="flops"`` the costs are the FLOPs a decision recomputes
-(``torch.utils.flop_counter``): deterministic, for tests and for comparing
-plans across machines.
+* one warm-up step (lazy modules, allocator and kernels warm up; it checks
+  that every candidate block runs once per forward: the planner models a chain);
+* per decision one memory step, every candidate block under that decision,
+  whose bytes are read at the boundaries of contiguous windows (before the
+  blocks, each block's forward, the head and loss, each block's backward) into a
+  :class:`~remat.planner.model.Timeline`; gradients start as ``None`` (or kept,
+  with ``set_to_none=False``), as in the user's step;
+* per decision ``repeats`` timed steps (not tracked: the tracker's per-op work
+  would inflate the time);
+* with an ``optimizer``: two ``optimizer.step()`` calls from an empty state,
+  tracked (the first creates the state), after which the parameters, the
+  optimizer's state and hyper-parameters are put back.
+
+The profile records measurements; the step model that turns them into a
+predicted peak lives in :mod:`remat.planner.model`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -34,26 +34,40 @@ from torch import nn
 from .. import memory
 from .._config import is_recomputing
 from .._modelinfo import (
-    BufferSnapshot,
     candidates,
     check_grad_enabled,
+    check_module,
     counted_device,
     device_of,
     loss_of,
 )
 from .._tree import tensors_in
-from .apply import apply_decision, restore_state, snapshot_state
-from .model import DECISIONS, BlockCosts
+from .apply import apply_decision, can_split, restore_state, snapshot_state
+from .model import (
+    DECISIONS,
+    BlockCosts,
+    StepPeak,
+    Timeline,
+    derive_blocks,
+    equalize_costs,
+    step_peak,
+)
+from .solve import smallest_chain
+from .state import StepState, grad_bytes, optimizer_tensors, static_bytes, storage_bytes
+from .timing import flop_costs, make_clock, time_blocks
 
 
 @dataclasses.dataclass
 class Profile:
-    """Measured costs of a model's candidate blocks; input of :func:`remat.plan`.
+    """Measured costs of a model's training step and candidate blocks; input of :func:`remat.plan`.
+
+    Bytes are on the model's device (everything on CPU), as :mod:`remat.memory` counts them.
 
     Attributes:
         blocks: one :class:`~remat.planner.model.BlockCosts` per candidate, in call order.
-        top: peak bytes between the last block's forward and its backward (all ``keep``).
-        unchecked_peak_bytes: peak activation bytes of a step with every block kept.
+        top: peak bytes (from the step's start) between the last block's forward and
+            its backward (all ``keep``).
+        pre: peak bytes before the first block's forward.
         decisions: the decisions that were measured.
         cost_unit: ``"s"`` or ``"flop"``.
         input_shapes: shapes of the tensor inputs the profile is valid for.
@@ -61,17 +75,59 @@ class Profile:
         torch_version: the torch it was measured with.
         step_cost: cost of one whole step with every block kept, in ``cost_unit``
             (so that ``1 + plan.predicted_overhead_s / step_cost`` is a predicted time ratio).
+        static_bytes: parameters, buffers and inputs.
+        grad_bytes: the gradients of one step.
+        grads_kept: ``True`` when the step starts with its gradients allocated
+            (``zero_grad(set_to_none=False)``, gradient accumulation).
+        optimizer: the optimizer's class name, or ``None`` (no optimizer step modelled).
+        optimizer_state_bytes: the optimizer's state after its first step.
+        optimizer_first_bytes / optimizer_later_bytes: peak bytes allocated inside
+            the first / a later ``optimizer.step()`` (state creation included).
+        end_bytes / end_grads: bytes alive when backward returns (from the step's
+            start), and how many of them are gradients.
+        top_grads: gradient bytes alive at the end of the ``top`` window.
     """
 
     blocks: list[BlockCosts]
     top: int
-    unchecked_peak_bytes: int
     decisions: list[str]
     cost_unit: str
     input_shapes: list[list[int]]
     device: str
     torch_version: str
     step_cost: float = 0.0
+    pre: int = 0
+    static_bytes: int = 0
+    grad_bytes: int = 0
+    grads_kept: bool = False
+    optimizer: str | None = None
+    optimizer_state_bytes: int = 0
+    optimizer_first_bytes: int = 0
+    optimizer_later_bytes: int = 0
+    end_bytes: int = 0
+    end_grads: int = 0
+    top_grads: int = 0
+
+    @property
+    def static_step_bytes(self) -> int:
+        """Bytes a later step starts with: static, kept gradients, optimizer state."""
+        kept = self.grad_bytes if self.grads_kept else 0
+        return self.static_bytes + kept + self.optimizer_state_bytes
+
+    @property
+    def unchecked_peak_bytes(self) -> int:
+        """Predicted peak of a step with every block kept (absolute bytes)."""
+        return self.peak(["keep"] * len(self.blocks)).bytes
+
+    @property
+    def floor_bytes(self) -> int:
+        """The smallest predicted step peak any plan reaches (absolute bytes)."""
+        return self.peak(*smallest_chain(self.blocks, self.top, self.decisions, 16)).bytes
+
+    def peak(self, decisions: Sequence[str], spans: Sequence[Sequence[int]] = ()) -> StepPeak:
+        """The step model's peak for a plan: one decision per block and ``(first, last)``
+        block indices of spans (see :mod:`remat.planner.model`)."""
+        return step_peak(self, decisions, spans)
 
     def to_json(self) -> str:
         """Plain JSON."""
@@ -96,102 +152,53 @@ class Profile:
             return cls.from_json(fh.read())
 
 
-class _Timer:
-    """Per-block forward and backward time from module and gradient hooks."""
-
-    def __init__(self, clock: Callable[[], float]) -> None:
-        self.clock = clock
-        self.fwd: dict[str, float] = {}
-        self.bwd: dict[str, float] = {}
-        self.handles: list[Any] = []
-
-    def attach(self, name: str, module: nn.Module) -> None:
-        starts: dict[str, float] = {}
-
-        def pre(mod: Any, args: Any) -> None:
-            starts["fwd"] = self.clock()
-
-        def post(mod: Any, args: Any, out: Any) -> None:
-            self.fwd[name] = self.clock() - starts["fwd"]
-            outs: list[torch.Tensor] = []
-            ins: list[torch.Tensor] = []
-            tensors_in(out, outs)
-            tensors_in(args, ins)
-            outs = [t for t in outs if t.requires_grad]
-            ends = [t for t in ins if t.requires_grad] or [
-                p for p in mod.parameters() if p.requires_grad
-            ]
-            if outs and ends:
-
-                def b_start(_: Any) -> None:
-                    starts.setdefault("bwd", self.clock())
-
-                def b_end(_: Any) -> None:
-                    self.bwd[name] = self.clock() - starts.pop("bwd", self.clock())
-
-                torch.autograd.graph.register_multi_grad_hook(outs, b_start, mode="any")
-                torch.autograd.graph.register_multi_grad_hook(ends, b_end, mode="all")
-
-        self.handles.append(module.register_forward_pre_hook(pre))
-        self.handles.append(module.register_forward_hook(post))
-
-    def totals(self) -> dict[str, float]:
-        """Forward plus backward time of each block in the last step."""
-        return {n: self.fwd.get(n, 0.0) + self.bwd.get(n, 0.0) for n in self.fwd}
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-
-@contextlib.contextmanager
-def _threads(device: torch.device, threads: int | None) -> Iterator[None]:
-    if device.type != "cpu" or threads is None:
-        yield
-        return
-    n = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
 def profile(
     model: nn.Module,
     *args: Any,
+    optimizer: torch.optim.Optimizer | None = None,
+    set_to_none: bool = True,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     check_fn: Callable[[str, nn.Module], bool] | None = None,
     decisions: Sequence[str] | None = None,
     timer: str = "time",
-    repeats: int = 1,
+    repeats: int = 3,
     threads: int | None = 1,
     **kwargs: Any,
 ) -> Profile:
-    """Measure memory and time of each candidate block under each decision.
+    """Measure a training step and each candidate block under each decision.
 
     Runs ``1 + len(decisions) * (1 + repeats)`` training steps (forward,
-    loss, backward; ``1 + len(decisions)`` with ``timer="flops"``): a warm-up,
-    then per decision one step that measures memory (at torch's thread count)
-    and ``repeats`` timed ones. The model's parameters are not changed, its buffers
-    (BatchNorm running statistics and counters) are put back as they were,
-    its gradients are left zeroed and its candidate blocks are left as they were.
+    loss, backward; ``1 + len(decisions)`` with ``timer="flops"``), plus two
+    ``optimizer.step()`` calls when an optimizer is given. Everything they
+    change is put back: parameter values, gradients (of parameters and inputs:
+    the very tensors, untouched), optimizer state and hyper-parameters,
+    buffers (BatchNorm running statistics), the RNG, and the blocks' wrapping.
 
     Args:
         model: the model.
         *args: example inputs (the profile is valid for their shapes).
+        optimizer: the optimizer of the training loop; its state and the
+            peak inside ``step()`` (first and later steps) are part of the
+            step's peak. ``None``: no optimizer step is modelled.
+        set_to_none: how the loop clears gradients: ``True`` (PyTorch's default,
+            ``zero_grad()``) frees them, so backward creates them while
+            activations are alive; ``False`` (``zero_grad(set_to_none=False)``, or
+            gradient accumulation) keeps them allocated for the whole step.
         loss_fn: output -> scalar loss; default: sum of the floating outputs.
         check_fn: ``check_fn(name, module)`` picks the candidate blocks;
             default: the children of the largest ``ModuleList``/``Sequential``.
         decisions: what to measure; default ``keep``, ``recompute``,
-            ``selective``, and ``offload`` on a device.
+            ``selective``, ``offload`` on a device, and ``split`` (the block
+            checkpointed with each of its children nested inside, below the
+            every-block floor) when a block has two or more children with parameters.
         timer: ``"time"`` (seconds) or ``"flops"`` (recomputed FLOPs, deterministic).
             FLOPs count what ``torch.utils.flop_counter`` counts (matmuls,
             convolutions, attention): recomputing norms and activations counts as
             free, so ``selective`` costs 0 under this timer. Use it for tests and
             cross-machine comparisons; plan real runs with ``"time"``.
-        repeats: timed steps per decision (the minimum time is kept); the step
-            that measures memory is not timed, its tracking would inflate the time.
+        repeats: timed steps per decision; a block's cost is the median, and half
+            the range of the samples is its noise (near-ties within it go to the
+            simpler plan).
         threads: CPU only: ``1`` (default) times with one thread and thread CPU
             time, the steadiest numbers; another number sets torch's threads and
             ``None`` keeps them, both with wall time, closer to a multi-threaded
@@ -201,20 +208,34 @@ def profile(
     Example:
         >>> import torch, remat
         >>> model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
-        >>> prof = remat.profile(model, torch.randn(8, 16), timer="flops")
-        >>> [b.name for b in prof.blocks]
-        ['0', '1', '2']
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        >>> prof = remat.profile(model, torch.randn(8, 16), optimizer=opt, timer="flops")
+        >>> [b.name for b in prof.blocks], prof.optimizer_state_bytes  # one momentum buffer a parameter
+        (['0', '1', '2'], 3264)
     """
+    check_module(model, "remat.profile")
     check_grad_enabled("remat.profile")
     if timer not in ("time", "flops"):
         raise ValueError(f"remat.profile: timer must be 'time' or 'flops', got {timer!r}.")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"remat.profile: repeats must be an int >= 1, got {repeats!r}.")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"remat.profile: optimizer must be a torch.optim.Optimizer or None, got "
+            f"{type(optimizer).__name__}. Pass the optimizer your training loop steps."
+        )
+    if not isinstance(set_to_none, bool):
+        raise TypeError(
+            f"remat.profile: set_to_none must be True or False (as in optimizer.zero_grad), "
+            f"got {set_to_none!r}."
+        )
     device = device_of(model, args)
     if decisions is None:
         decisions = ["keep", "recompute", "selective"] + (
             ["offload"] if device.type != "cpu" else []
         )
+        if any(can_split(m) for m in candidate_modules(model, check_fn)):
+            decisions.append("split")
     bad = [d for d in decisions if d not in DECISIONS]
     if bad or "keep" not in decisions:
         raise ValueError(
@@ -228,138 +249,279 @@ def profile(
         )
     names = candidates(model, check_fn)
     blocks = {n: model.get_submodule(n) for n in names}
-    saved_state = snapshot_state(blocks)
-    buffers = BufferSnapshot(model)
-    rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
-
-    step_costs: list[float] = []
+    splittable = {n for n, m in blocks.items() if can_split(m)}
+    if "split" in decisions and not splittable:
+        raise ValueError(
+            "remat.profile: decision 'split' needs blocks with two or more children that have "
+            "parameters (attention, MLP); none of the candidate blocks has. Drop it from "
+            "decisions."
+        )
+    counted = counted_device(device)
     inputs: list[torch.Tensor] = []
     tensors_in((args, kwargs), inputs)
-    inputs = [t for t in inputs if t.is_leaf and t.requires_grad]
-    input_grads = [(t, t.grad) for t in inputs]  # put back afterwards: the steps are not the user's
+    leaves = [t for t in inputs if t.is_leaf and t.requires_grad]
+    wrapping = snapshot_state(blocks)
+    state = StepState(model, leaves, optimizer, device)
+    params = state.params
+    step_costs: list[float] = []
+    clock_now = time.thread_time if device.type == "cpu" and threads == 1 else time.perf_counter
 
-    def step() -> None:
-        start = time.thread_time() if device.type == "cpu" and threads == 1 else time.perf_counter()
-        torch.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-        loss_of(model(*args, **kwargs), loss_fn).backward()
+    def clear_grads() -> None:
+        if set_to_none:
+            for t in state.leaves:
+                t.grad = None
+        else:
+            for t in state.leaves:
+                if t.grad is not None:
+                    t.grad.detach_().zero_()
+
+    def step(watch: _Windows | None = None) -> None:
+        start = clock_now()
+        state.reset_rng()
+        out = model(*args, **kwargs)
+        loss = loss_of(out, loss_fn)
+        loss.backward()
+        if watch is not None:  # `out` and `loss` are alive here, as in the user's loop
+            watch.finish()
+        del out, loss
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        end = time.thread_time() if device.type == "cpu" and threads == 1 else time.perf_counter()
-        step_costs.append(end - start)
+        step_costs.append(clock_now() - start)
 
-    keep_step = 0.0
-    mem: dict[str, dict[str, memory.ModuleMemory]] = {}
+    def timed_step() -> None:
+        clear_grads()
+        step()
+
+    lines: dict[str, Timeline] = {}
     times: dict[str, dict[str, float]] = {}
-    top = unchecked = 0
-    tops: dict[str, int] = {}
+    noise: dict[str, dict[str, float]] = {}
+    keep_step = 0.0
+    opt_terms = (0, 0, 0)
     try:
-        # The inputs' gradients are the profile's own from here on (the user's come back at
-        # the end). Warm-up: lazy modules make their parameters, kernels and the allocator
-        # warm up (a cold first step is far slower), and every gradient exists from here on
-        # and is reused (zeroed in place), so the tracked steps see activations only.
-        for t in inputs:
-            t.grad = None
         calls = _CallCount()
         count_handles = [m.register_forward_pre_hook(calls.hook(n)) for n, m in blocks.items()]
         try:
-            step()
+            step()  # warm-up; with set_to_none=False its gradients stay for every later step
         finally:
             for ch in count_handles:
                 ch.remove()
         calls.check(names)
-        model.zero_grad(set_to_none=False)
-        clock = _clock(device, threads) if timer == "time" else None
+        gbytes = grad_bytes(params, counted)
+        clock = make_clock(device, threads) if timer == "time" else None
         for d in decisions:
-            for m in blocks.values():
-                apply_decision(m, d)
-            last = blocks[names[-1]]
-            top_watch = _TopWatch()
-            h = last.register_forward_hook(top_watch.forward_end)
-            try:
-                # Memory: bytes do not depend on threads, so this step runs at full speed;
-                # its time is not used (the tracker's per-op work would inflate it).
-                with memory.track_modules(blocks, counted_device(device)) as (tracker, stats):
-                    top_watch.tracker = tracker
-                    step()
-            finally:
-                h.remove()
-            model.zero_grad(set_to_none=False)
-            mem[d] = {n: dataclasses.replace(s) for n, s in stats.items()}
-            tops[d] = top_watch.peak
-            if d == "keep":
-                top, unchecked = top_watch.peak, tracker.peak_bytes
+            for n, m in blocks.items():  # a block that cannot split is recomputed meanwhile
+                apply_decision(m, "recompute" if d == "split" and n not in splittable else d)
+            clear_grads()
+            # Memory: bytes do not depend on threads, so this step runs at full speed.
+            with memory.track(counted) as tracker:
+                watch = _Windows(tracker, names, blocks, params if set_to_none else [], counted)
+                try:
+                    step(watch)
+                finally:
+                    watch.remove()
+            lines[d] = watch.line
+            if d == "keep" and optimizer is not None:  # on this step's gradients
+                opt_terms = _optimizer_terms(state, optimizer, counted)
             if clock is not None:
                 step_costs.clear()
-                times[d] = _time_blocks(blocks, step, device, repeats, clock, threads)
-                model.zero_grad(set_to_none=False)
+                clear_grads()
+                times[d], noise[d] = time_blocks(
+                    blocks, timed_step, device, repeats, clock, threads
+                )
                 if d == "keep":
-                    keep_step = min(step_costs)
+                    keep_step = float(sorted(step_costs)[len(step_costs) // 2])
         if timer == "flops":
-            times = _flop_costs(model, blocks, args, kwargs, loss_fn, decisions)
+            times = flop_costs(model, blocks, args, kwargs, loss_fn, decisions)
+            noise = {d: dict.fromkeys(names, 0.0) for d in decisions}
     finally:
-        for t, g in input_grads:
-            t.grad = g
-        restore_state(blocks, saved_state)
-        buffers.restore()
-        torch.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-    costs = []
-    saved = dict.fromkeys(decisions, 0)  # bytes each uniform step saved up to this block
-    for i, n in enumerate(names):
-        keep = mem["keep"][n]
-        # What the block leaves alive for the rest of the step: up to the next block's start
-        # (the residual add after a block may free its output under keep, while a selective
-        # cache holds it), or to its own forward end for the last block.
-        if i + 1 < len(names):
-            nxt = names[i + 1]
-            retained = {d: mem[d][nxt].before_forward - mem[d][n].before_forward for d in decisions}
-        else:
-            retained = {d: mem[d][n].after_forward - mem[d][n].before_forward for d in decisions}
-        bwd_excess = {}
-        for d in decisions:
-            saved[d] += retained["keep"] - retained[d]
-            # Above the start the model assumes (keep's start less what was saved), when more
-            # was alive: the last block's output, held by a selective cache but freed after
-            # the loss under keep, would otherwise be missing from the prediction.
-            assumed = keep.before_backward - saved[d]
-            bwd_excess[d] = mem[d][n].backward_peak - min(mem[d][n].before_backward, assumed)
-            if n == names[-1] and d in tops:  # the same for the loss and head after it
-                bwd_excess[d] = max(bwd_excess[d], tops[d] - assumed)
-        costs.append(
-            BlockCosts(
-                name=n,
-                retained=retained,
-                fwd_excess={
-                    d: mem[d][n].forward_peak - mem[d][n].before_forward for d in decisions
-                },
-                bwd_excess=bwd_excess,
-                cost={
-                    d: max(0.0, times[d][n] - times["keep"][n]) if d != "keep" else 0.0
-                    for d in decisions
-                },
-                fwd_start=keep.before_forward,
-                bwd_start=keep.before_backward,
-                input_bytes=keep.input_bytes,
-                param_bytes=keep.param_bytes,
-            )
-        )
+        restore_state(blocks, wrapping)
+        state.restore()
+    keep_line = lines["keep"]
+    costs = derive_blocks(
+        names,
+        lines,
+        times,
+        noise,
+        keep_line.input_bytes,
+        [storage_bytes([*m.parameters(), *m.buffers()], counted) for m in blocks.values()],
+    )
+    for b in costs:
+        if b.name not in splittable:
+            for terms in (b.retained, b.fwd_excess, b.bwd_excess, b.cost, b.noise):
+                terms.pop("split", None)
+    equalize_costs(costs, [_signature(m, b.input_bytes) for m, b in zip(blocks.values(), costs)])
     shapes: list[torch.Tensor] = []
     tensors_in((args, kwargs), shapes)
+    first, later, opt_state = opt_terms
     return Profile(
         blocks=costs,
-        top=top,
-        unchecked_peak_bytes=unchecked,
+        top=keep_line.top_peak,
+        pre=keep_line.pre_peak,
         decisions=list(decisions),
         cost_unit="s" if timer == "time" else "flop",
         input_shapes=[list(t.shape) for t in shapes],
         device=str(device),
         torch_version=torch.__version__,
         step_cost=keep_step if timer == "time" else 3.0 * sum(b.cost["recompute"] for b in costs),
+        static_bytes=static_bytes(model, (args, kwargs), counted),
+        grad_bytes=gbytes,
+        grads_kept=not set_to_none,
+        optimizer=None if optimizer is None else type(optimizer).__name__,
+        optimizer_state_bytes=opt_state,
+        optimizer_first_bytes=first,
+        optimizer_later_bytes=later,
+        end_bytes=keep_line.end_bytes,
+        end_grads=keep_line.end_grads,
+        top_grads=keep_line.top_grads,
     )
+
+
+def candidate_modules(
+    model: nn.Module, check_fn: Callable[[str, nn.Module], bool] | None
+) -> list[nn.Module]:
+    return [model.get_submodule(n) for n in candidates(model, check_fn)]
+
+
+def _signature(module: nn.Module, input_bytes: int) -> tuple[Any, ...]:
+    """What makes two blocks the same layer: class, parameter and buffer shapes, input bytes."""
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    return (
+        type(module).__qualname__,
+        input_bytes,
+        tuple((n, tuple(t.shape), str(t.dtype), t.requires_grad) for n, t in tensors),
+        tuple(type(m).__qualname__ for m in module.modules()),
+    )
+
+
+def _optimizer_terms(
+    state: StepState, optimizer: torch.optim.Optimizer, counted: torch.device | None
+) -> tuple[int, int, int]:
+    """Peaks inside the first and a later ``optimizer.step()``, and the state's bytes.
+
+    Runs from an empty optimizer state on the gradients there are now; the
+    parameters, the state and the hyper-parameters are put back by ``state.restore()``
+    (and the parameter values right here, for the steps that follow).
+    """
+    state.fresh_optimizer_state()
+    try:
+        with memory.track(counted) as t:
+            optimizer.step()
+        first = t.peak_bytes
+        opt_state = storage_bytes(optimizer_tensors(optimizer), counted)
+        with memory.track(counted) as t:
+            optimizer.step()
+        later = t.peak_bytes
+    finally:
+        optimizer.state = state.opt_state
+        with torch.no_grad():
+            for p, v in zip(state.params, state.values):
+                p.copy_(v)
+    return first, later, opt_state
+
+
+class _Windows:
+    """Reads the tracker at the boundaries of a step's contiguous windows into a Timeline.
+
+    ``params``: the parameters whose gradients the step creates (none when they are kept).
+    """
+
+    def __init__(
+        self,
+        tracker: memory.MemoryTracker,
+        names: Sequence[str],
+        blocks: dict[str, nn.Module],
+        params: list[torch.Tensor],
+        counted: torch.device | None,
+    ) -> None:
+        n = len(names)
+        self.tracker = tracker
+        self.params = params
+        self.counted = counted
+        self.index = {name: i for i, name in enumerate(names)}
+        self.last = names[-1]
+        self.line = Timeline(
+            fwd_start=[0] * n, fwd_peak=[0] * n, bwd_start=[None] * n, bwd_peak=[0] * n,
+            bwd_grads=[0] * n, input_bytes=[0] * n,
+        )  # fmt: skip
+        self.phase: tuple[str, int] = ("pre", -1)
+        self.window = tracker.open_window()
+        self.handles = []
+        for name, m in blocks.items():
+            self.handles.append(m.register_forward_pre_hook(self._pre(name)))
+            self.handles.append(m.register_forward_hook(self._post(name)))
+
+    def _switch(self, phase: tuple[str, int]) -> int:
+        """Close the open window (its peak goes to its phase), open one for ``phase``."""
+        peak = self.tracker.close_window(self.window)
+        kind, i = self.phase
+        line = self.line
+        grads = grad_bytes(self.params, self.counted)
+        if kind == "pre":
+            line.pre_peak = peak
+        elif kind == "fwd":
+            line.fwd_peak[i] = peak
+        elif kind == "top":
+            line.top_peak, line.top_grads = peak, grads
+        elif kind == "bwd":
+            line.bwd_peak[i], line.bwd_grads[i] = peak, grads
+        self.window = self.tracker.open_window()
+        self.phase = phase
+        return self.window.start
+
+    def _pre(self, name: str) -> Callable[[Any, Any], None]:
+        def hook(module: Any, args: Any) -> None:
+            if is_recomputing():
+                return
+            i = self.index[name]
+            found: list[torch.Tensor] = []
+            tensors_in(args, found)
+            self.line.input_bytes[i] = storage_bytes(found, self.counted)
+            self.line.fwd_start[i] = self._switch(("fwd", i))
+
+        return hook
+
+    def _post(self, name: str) -> Callable[[Any, Any, Any], None]:
+        def hook(module: Any, args: Any, out: Any) -> None:
+            if is_recomputing():
+                return
+            i = self.index[name]
+            if name == self.last:
+                self.line.top_start = self._switch(("top", -1))
+            outs: list[torch.Tensor] = []
+            tensors_in(out, outs)
+            outs = [t for t in outs if t.requires_grad]
+            if outs:
+                torch.autograd.graph.register_multi_grad_hook(
+                    outs, _BackwardStart(self, i), mode="any"
+                )
+
+        return hook
+
+    def backward_start(self, i: int) -> None:
+        if self.line.bwd_start[i] is None:
+            self.line.bwd_start[i] = self._switch(("bwd", i))
+
+    def finish(self) -> None:
+        """Close the last window (backward has returned); read the bytes alive now."""
+        self._switch(("end", -1))
+        self.line.end_bytes = self.tracker.current_bytes
+        self.line.end_grads = grad_bytes(self.params, self.counted)
+
+    def remove(self) -> None:
+        self.tracker.close_window(self.window)
+        for h in self.handles:
+            h.remove()
+
+
+class _BackwardStart:
+    """Gradient hook on a block's outputs: its backward window starts."""
+
+    def __init__(self, windows: _Windows, i: int) -> None:
+        self.windows = windows
+        self.i = i
+
+    def __call__(self, _: Any) -> None:
+        self.windows.backward_start(self.i)
 
 
 class _CallCount:
@@ -386,114 +548,3 @@ class _CallCount:
                 "module: ... that selects only blocks the model calls once per step (a block "
                 "reused twice, or skipped, cannot be planned alone)."
             )
-
-
-class _TopWatch:
-    """Peak between the last block's forward and the start of its backward."""
-
-    def __init__(self) -> None:
-        self.tracker: memory.MemoryTracker | None = None
-        self.window: memory.Window | None = None
-        self.peak = 0
-
-    def forward_end(self, module: Any, args: Any, out: Any) -> None:
-        if self.tracker is None:
-            return
-        self.window = self.tracker.open_window()
-        outs: list[torch.Tensor] = []
-        tensors_in(out, outs)
-        outs = [t for t in outs if t.requires_grad]
-        if outs:
-            torch.autograd.graph.register_multi_grad_hook(outs, self.backward_start, mode="any")
-
-    def backward_start(self, _: Any) -> None:
-        if self.tracker is not None and self.window is not None:
-            self.peak = self.tracker.close_window(self.window)
-            self.window = None
-
-
-def _clock(device: torch.device, threads: int | None) -> Callable[[], float]:
-    if device.type == "cuda" or threads != 1:
-
-        def clock() -> float:
-            torch.cuda.synchronize(device)
-            return time.perf_counter()
-
-        return clock if device.type == "cuda" else time.perf_counter
-    return time.thread_time
-
-
-def _time_blocks(
-    blocks: dict[str, nn.Module],
-    step: Callable[[], None],
-    device: torch.device,
-    repeats: int,
-    clock: Callable[[], float],
-    threads: int | None,
-) -> dict[str, float]:
-    """Minimum over ``repeats`` steps of each block's forward+backward time."""
-    best: dict[str, float] = {}
-    timer = _Timer(clock)
-    for n, m in blocks.items():
-        timer.attach(n, m)
-    try:
-        with _threads(device, threads):
-            for _ in range(repeats):
-                timer.fwd.clear()
-                timer.bwd.clear()
-                step()
-                for n, t in timer.totals().items():
-                    best[n] = min(best.get(n, t), t)
-    finally:
-        timer.remove()
-    return best
-
-
-def _flop_costs(
-    model: nn.Module,
-    blocks: dict[str, nn.Module],
-    args: Any,
-    kwargs: Any,
-    loss_fn: Any,
-    decisions: Sequence[str],
-) -> dict[str, dict[str, float]]:
-    """FLOPs each decision recomputes: the block's forward FLOPs outside the saved ops."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from ..policies import matmul_ops
-
-    saved = {op.overloadpacket for op in matmul_ops()}
-    out: dict[str, dict[str, float]] = {d: {} for d in decisions}
-    inputs: dict[str, Any] = {}
-    handles = [
-        m.register_forward_pre_hook(_InputGrab(n, inputs), with_kwargs=True)
-        for n, m in blocks.items()
-    ]
-    try:
-        with torch.no_grad():
-            model(*args, **kwargs)  # one forward records every block's inputs
-    finally:
-        for h in handles:
-            h.remove()
-    for n, m in blocks.items():
-        counter = FlopCounterMode(display=False)
-        with torch.no_grad(), counter:
-            block_args, block_kwargs = inputs[n]
-            m(*block_args, **block_kwargs)
-        per_op = counter.get_flop_counts().get("Global", {})
-        total = float(sum(per_op.values()))
-        unsaved = float(sum(v for op, v in per_op.items() if op not in saved))
-        for d in decisions:
-            out[d][n] = {"keep": 0.0, "recompute": total, "selective": unsaved, "offload": 0.0}[d]
-    return out
-
-
-class _InputGrab:
-    """Forward pre-hook (``with_kwargs=True``) that keeps a block's first inputs, keywords too."""
-
-    def __init__(self, name: str, store: dict[str, Any]) -> None:
-        self.name = name
-        self.store = store
-
-    def __call__(self, module: Any, args: Any, kwargs: Any) -> None:
-        self.store.setdefault(self.name, (args, dict(kwargs)))

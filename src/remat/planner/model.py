@@ -1,11 +1,48 @@
-"""The planner: one decision per block so the predicted peak fits a budget at least cost.
+"""The step model: the peak and the added time of one training step under a plan.
 
-Model
------
-The candidates are a chain of blocks run in order in forward and in reverse
-order in backward (a transformer's layers). For block ``i`` and decision
-``d`` in ``keep``, ``recompute``, ``selective``, ``offload`` the profile
-(:mod:`remat.planner.measure`) measures
+The step
+--------
+The model is of the default training loop, the step a user runs::
+
+    optimizer.zero_grad()        # grads None (set_to_none=True, PyTorch's default)
+    out = model(*args)           # forward
+    loss = loss_fn(out)
+    loss.backward()              # gradients created as backward reaches each parameter
+    optimizer.step()             # optimizer state created on the first step
+
+with ``out`` and ``loss`` alive until the end of the step, as local variables
+of a loop are. ``set_to_none=False`` (gradients kept and zeroed in place, or
+accumulated over micro-batches) is modelled too: the gradients are then part
+of the static bytes. Bytes are tensor storage bytes on the model's device, as
+:mod:`remat.memory` counts them and as ``torch.cuda.max_memory_allocated()``
+reports them.
+
+The peak of a step is the largest of
+
+* ``static + grads_kept + opt_state + act(plan)``  (forward and backward of a
+  later step; the first step has no optimizer state yet, so it is lower);
+* ``static + grads_kept + end + opt_first``       (the first ``optimizer.step()``,
+  which creates the state);
+* ``static + grads_kept + opt_state + end + opt_later`` (every later ``step()``);
+
+where ``static`` is the bytes of parameters, buffers and inputs, ``end`` the
+bytes alive when backward returns (the gradients when they were created in it,
+``out``, ``loss``), and ``opt_*`` the peaks measured inside ``optimizer.step()``.
+Only ``act(plan)`` depends on the plan.
+
+Activations
+-----------
+``act(plan)`` is measured from the step's start in contiguous windows that
+cover the whole forward and backward: before the first block (``pre``); block
+``i``'s forward, from its start to the next block's start (the last block's to
+its end); from there to the last block's backward (``top``: head, loss, their
+backward); block ``i``'s backward, from the first gradient of one of its
+outputs to the first gradient of the previous block's outputs (block 0's to
+the end of backward, which covers the gradients of the layers before the
+blocks). The candidates are a chain of blocks run in order in forward and in
+reverse order in backward (a transformer's layers). For block ``i`` and
+decision ``d`` in ``keep``, ``recompute``, ``selective``, ``offload`` the
+profile (:mod:`remat.planner.measure`) measures, with every block under ``d``:
 
 * ``retained[i][d]``: bytes the block leaves alive for the rest of the
   step: what was allocated from its forward start to the next block's
@@ -13,21 +50,24 @@ order in backward (a transformer's layers). For block ``i`` and decision
   to the next block rather than to the block's end because what follows a
   block (a residual add, the loss) may free its output under ``keep`` while
   a selective cache holds it;
-* ``fwd_excess[i][d]``: peak during its forward above what was alive when it
+* ``fwd_excess[i][d]``: peak of its forward window above what was alive when it
   started;
-* ``bwd_excess[i][d]``: peak during its backward above what was alive when
-  its backward started (recomputed activations live here), or above the start
-  the model assumes (below) where more was alive; for the last block also the
-  peak between the end of forward and its backward under ``d``;
+* ``bwd_excess[i][d]``: peak of its backward window above what was alive when
+  it started (recomputed activations and the block's new gradients live here), or
+  above the start the model assumes (below) where more was alive; for the
+  last block also the peak of the ``top`` window under ``d``;
 * ``cost[i][d]``: the time (or FLOPs) the decision adds to a step; ``keep`` is 0;
 
 and, once, under all-``keep``: ``fwd_start[i]`` / ``bwd_start[i]``, the bytes
-alive when block ``i``'s forward / backward starts, and ``top``, the peak
-between the end of forward and the first block's backward (loss, logits).
+alive when block ``i``'s forward / backward window starts, and ``top``.
+Gradients created in backward are in these terms: they are the same under
+every decision, since a block's parameters get their gradients in its
+backward whatever the decision.
 
 With ``saved(i) = sum_{j<=i} retained[j][keep] - retained[j][d_j]`` the
-predicted peak is the largest of
+activation peak is the largest of
 
+* ``pre``                                                (before the first block)
 * ``fwd_start[i] - saved(i-1) + fwd_excess[i][d_i]``   (block ``i``'s forward)
 * ``bwd_start[i] - saved(i) + bwd_excess[i][d_i]``     (block ``i``'s backward)
 * ``top - saved(n)``
@@ -35,10 +75,8 @@ predicted peak is the largest of
 Every term is linear in one-hot decision variables ``x[i][d]``, so "minimise
 ``sum cost[i][d] x[i][d]`` subject to every term ``<= budget``" is a small
 mixed-integer linear program, solved exactly by HiGHS through
-``scipy.optimize.milp`` (extra ``remat[plan]``). :func:`solve_dp` solves the
-same problem exactly without scipy: a dynamic program over blocks whose state
-is ``saved(i)``, keeping only the Pareto front of (bytes saved, cost); it is
-the cross-check in tests and the fallback when scipy is missing.
+``scipy.optimize.milp`` (extra ``remat[plan]``); :mod:`remat.planner.solve`
+also has an exact dynamic program over blocks whose state is ``saved(i)``.
 
 This is the chain formulation of Chen et al. 2016 ("Training Deep Nets with
 Sublinear Memory Cost", arXiv:1604.06174) with per-block heterogeneous costs
@@ -48,11 +86,12 @@ Jain et al. 2020 (Checkmate, arXiv:1910.02653) at block rather than operator
 granularity, with selective checkpointing and host offload as extra
 per-block choices.
 
-Not covered: nested checkpointing of groups of blocks (each block is decided
-alone), blocks that are not a chain (skip connections across blocks other
-than the residual stream), data-dependent shapes (the profile is valid for
-the input shapes it was measured with), and allocator fragmentation on GPUs
-(the model counts tensor bytes, as :mod:`remat.memory` does).
+Not covered: blocks that are not a chain (skip connections across blocks
+other than the residual stream), data-dependent shapes (the profile is valid
+for the input shapes it was measured with), tensors the process holds that
+are neither the model's nor the optimizer's nor the inputs, and allocator
+fragmentation and caching on GPUs (the model counts tensor bytes, as
+:mod:`remat.memory` does, i.e. ``max_memory_allocated``, not ``max_memory_reserved``).
 """
 
 from __future__ import annotations
@@ -60,14 +99,21 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import statistics
 from collections.abc import Sequence
+from typing import Any
 
-DECISIONS = ("keep", "recompute", "selective", "offload")
+DECISIONS = ("keep", "recompute", "selective", "offload", "split")
 
 
 @dataclasses.dataclass
 class BlockCosts:
-    """Measured costs of one candidate block (see the module docstring for the terms)."""
+    """Measured costs of one candidate block (see the module docstring for the terms).
+
+    ``bwd_grads`` is the bytes of gradients alive at the end of the block's backward
+    window under ``keep`` (for the peak's breakdown), ``noise`` the spread of the
+    timing samples of each decision's cost (for near-ties).
+    """
 
     name: str
     retained: dict[str, int]
@@ -78,41 +124,369 @@ class BlockCosts:
     bwd_start: int
     input_bytes: int = 0
     param_bytes: int = 0
+    bwd_grads: int = 0
+    noise: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
-def predicted_peak(blocks: Sequence[BlockCosts], top: int, decisions: Sequence[str]) -> int:
-    """Peak bytes the model predicts for one decision per block."""
+@dataclasses.dataclass
+class Timeline:
+    """Bytes at the window boundaries of one measured step (every block under one decision).
+
+    Filled by :mod:`remat.planner.measure`; bytes are counted from the step's
+    start. ``bwd_start[i]`` is ``None`` when block ``i``'s backward was never seen
+    (its outputs need no gradient).
+    """
+
+    pre_peak: int = 0
+    fwd_start: list[int] = dataclasses.field(default_factory=list)
+    fwd_peak: list[int] = dataclasses.field(default_factory=list)
+    top_start: int = 0
+    top_peak: int = 0
+    top_grads: int = 0
+    bwd_start: list[int | None] = dataclasses.field(default_factory=list)
+    bwd_peak: list[int] = dataclasses.field(default_factory=list)
+    bwd_grads: list[int] = dataclasses.field(default_factory=list)
+    end_bytes: int = 0
+    end_grads: int = 0
+    input_bytes: list[int] = dataclasses.field(default_factory=list)
+
+
+def derive_blocks(
+    names: Sequence[str],
+    lines: dict[str, Timeline],
+    costs: dict[str, dict[str, float]],
+    noise: dict[str, dict[str, float]],
+    input_bytes: Sequence[int],
+    param_bytes: Sequence[int],
+) -> list[BlockCosts]:
+    """The per-block terms of the model from one measured timeline per uniform decision."""
+    decisions = list(lines)
+    keep = lines["keep"]
+    n = len(names)
+    out = []
+    saved = dict.fromkeys(decisions, 0)  # bytes each uniform step saved up to this block
+    for i, name in enumerate(names):
+        retained = {}
+        for d, t in lines.items():
+            nxt = t.fwd_start[i + 1] if i + 1 < n else t.top_start
+            retained[d] = nxt - t.fwd_start[i]
+        bwd_excess = {}
+        kb = keep.bwd_start[i]
+        for d, t in lines.items():
+            saved[d] += retained["keep"] - retained[d]
+            start = t.bwd_start[i]
+            if kb is None or start is None:  # no backward window: never the binding term
+                bwd_excess[d] = -(2**62)
+                continue
+            # Above the start the model assumes (keep's start less what was saved), when more
+            # was alive: the last block's output, held by a selective cache but freed after
+            # the loss under keep, would otherwise be missing from the prediction.
+            assumed = kb - saved[d]
+            bwd_excess[d] = t.bwd_peak[i] - min(start, assumed)
+            if i == n - 1:  # the same for the head, the loss and their backward
+                bwd_excess[d] = max(bwd_excess[d], t.top_peak - assumed)
+        out.append(
+            BlockCosts(
+                name=name,
+                retained=retained,
+                fwd_excess={d: t.fwd_peak[i] - t.fwd_start[i] for d, t in lines.items()},
+                bwd_excess=bwd_excess,
+                cost={d: max(0.0, costs[d][name] - costs["keep"][name]) for d in decisions},
+                fwd_start=keep.fwd_start[i],
+                bwd_start=kb if kb is not None else 0,
+                input_bytes=input_bytes[i],
+                param_bytes=param_bytes[i],
+                bwd_grads=keep.bwd_grads[i],
+                noise={d: noise[d][name] for d in decisions if name in noise.get(d, {})},
+            )
+        )
+    return out
+
+
+def equalize_costs(blocks: list[BlockCosts], signatures: Sequence[Any]) -> None:
+    """Give blocks with the same signature (same class, parameter and buffer shapes, inputs)
+    the same cost and noise per decision: the median over the group, in place.
+
+    Identical layers cost the same; their timed costs differ only by noise, and
+    without this a solver would pick among them by that noise, a different
+    plan on every run.
+    """
+    groups: dict[Any, list[BlockCosts]] = {}
+    for b, sig in zip(blocks, signatures):
+        groups.setdefault(sig, []).append(b)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        for d in members[0].cost:
+            cost = statistics.median(b.cost[d] for b in members)
+            noise = statistics.median(b.noise.get(d, 0.0) for b in members)
+            for b in members:
+                b.cost[d] = cost
+                if d in b.noise:
+                    b.noise[d] = noise
+
+
+def predicted_peak(
+    blocks: Sequence[BlockCosts],
+    top: int,
+    decisions: Sequence[str],
+    pre: int = 0,
+    spans: Sequence[Sequence[int]] = (),
+) -> int:
+    """Activation peak (bytes above the step's start) the model predicts for a plan."""
+    return activation_terms(blocks, top, decisions, pre, spans)[0]
+
+
+#: Decisions a block may take inside a span (the span's inner checkpointing of each block).
+SPAN_INNER = ("recompute", "split")
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """A run of the chain with its own decisions: one block, or a span of blocks.
+
+    Every activation term of a segment is ``term - s`` where ``s`` is what the
+    segments before it saved, so a segment is summed up by ``peak`` (its largest
+    ``term``), where that is, ``saved`` (what it saves for the segments after
+    it) and ``cost``.
+    """
+
+    first: int
+    last: int
+    decision: str
+    span: bool
+    peak: int
+    where: str
+    saved: int
+    cost: float
+
+
+def block_segment(blocks: Sequence[BlockCosts], i: int, d: str) -> Segment:
+    """Block ``i`` alone under ``d`` (see the module docstring for its two terms)."""
+    b = blocks[i]
+    saved = b.retained["keep"] - b.retained[d]
+    fwd = b.fwd_start + b.fwd_excess[d]
+    bwd = b.bwd_start - saved + b.bwd_excess[d]
+    where = f"forward of {b.name!r}" if fwd >= bwd else f"backward of {b.name!r}"
+    return Segment(i, i, d, False, max(fwd, bwd), where, saved, float(b.cost[d]))
+
+
+def span_segment(blocks: Sequence[BlockCosts], a: int, z: int, d: str) -> Segment:
+    """Blocks ``a..z`` as one checkpointed region, each block checkpointed inside it as ``d``.
+
+    In forward only the span's input is kept: block ``i``'s output lives only
+    while block ``i+1`` runs. Backward of block ``z`` first recomputes blocks
+    ``a..z-1`` (early stop before ``z``), which brings back the inputs of
+    blocks ``a+1..z`` as the inner regions' inputs; from there each block's
+    backward is that of a block checkpointed as ``d``. With ``R_j`` =
+    ``retained[j][d]`` and ``s`` the bytes saved before the span:
+
+    * forward of block ``i``: ``fwd_start[i] - s - sum_{j<i}(retained[j][keep] - R_j)
+      - sum_{j<i-1} R_j + fwd_excess[i][d]`` (sums from ``a``);
+    * recompute of block ``i < z`` (at block ``z``'s backward):
+      ``bwd_start[z] - s_z - sum_{i<=j<z} R_j + fwd_excess[i][d]``, with ``s_z`` what
+      blocks ``a..z`` under ``d`` alone would have saved;
+    * backward of block ``i``: as block ``i`` alone under ``d``;
+    * it saves ``sum_{a<=j<=z}(retained[j][keep] - R_j) + sum_{a<=j<z} R_j``;
+    * it costs ``sum cost[j][d]`` plus blocks ``a..z-1`` once more (``cost[j][recompute]``).
+    """
+    peak, where = -(2**62), ""
+    inner = 0  # what blocks a..i-1 under d alone would have saved
+    for i in range(a, z + 1):
+        b = blocks[i]
+        dropped = sum(blocks[j].retained[d] for j in range(a, i - 1))
+        v = b.fwd_start - inner - dropped + b.fwd_excess[d]
+        if v > peak:
+            peak, where = v, f"forward of {b.name!r}"
+        inner += b.retained["keep"] - b.retained[d]
+        v = b.bwd_start - inner + b.bwd_excess[d]
+        if v > peak:
+            peak, where = v, f"backward of {b.name!r}"
+    bz = blocks[z]
+    for i in range(a, z):
+        tail = sum(blocks[j].retained[d] for j in range(i, z))
+        v = bz.bwd_start - inner - tail + blocks[i].fwd_excess[d]
+        if v > peak:
+            peak, where = v, f"recompute of {blocks[i].name!r} in the span's backward"
+    saved = inner + sum(blocks[j].retained[d] for j in range(a, z))
+    cost = sum(blocks[j].cost[d] for j in range(a, z + 1)) + sum(
+        blocks[j].cost.get("recompute", 0.0) for j in range(a, z)
+    )
+    return Segment(a, z, d, True, peak, where, saved, float(cost))
+
+
+def layout(
+    blocks: Sequence[BlockCosts], decisions: Sequence[str], spans: Sequence[Sequence[int]] = ()
+) -> list[Segment]:
+    """The segments of a plan: ``spans`` are ``(first, last)`` block indices, ascending and
+    disjoint; the blocks inside a span take their ``decisions`` (``recompute`` or ``split``)."""
+    starts = {int(a): int(z) for a, z in spans}
+    out = []
+    i = 0
+    while i < len(blocks):
+        if i in starts:
+            z = starts[i]
+            inner = {decisions[j] for j in range(i, z + 1)}
+            if len(inner) != 1 or not inner <= set(SPAN_INNER):
+                raise ValueError(
+                    f"a span's blocks must all be 'recompute' or all 'split', got {sorted(inner)} "
+                    f"for blocks {i}..{z}."
+                )
+            out.append(span_segment(blocks, i, z, decisions[i]))
+            i = z + 1
+        else:
+            out.append(block_segment(blocks, i, decisions[i]))
+            i += 1
+    return out
+
+
+def activation_terms(
+    blocks: Sequence[BlockCosts],
+    top: int,
+    decisions: Sequence[str],
+    pre: int = 0,
+    spans: Sequence[Sequence[int]] = (),
+) -> tuple[int, str]:
+    """The activation peak and where it falls (``"forward of 'x'"``, ``"backward of 'x'"``, ...)."""
     saved = 0
-    peak = 0
-    for b, d in zip(blocks, decisions):
-        peak = max(peak, b.fwd_start - saved + b.fwd_excess[d])
-        saved += b.retained["keep"] - b.retained[d]
-        peak = max(peak, b.bwd_start - saved + b.bwd_excess[d])
-    return max(peak, top - saved)
+    peak, where = pre, "before the first block"
+    for seg in layout(blocks, decisions, spans):
+        if seg.peak - saved > peak:
+            peak, where = seg.peak - saved, seg.where
+        saved += seg.saved
+    if top - saved > peak:
+        peak, where = top - saved, "after the last block (head, loss and their backward)"
+    return peak, where
 
 
-def predicted_cost(blocks: Sequence[BlockCosts], decisions: Sequence[str]) -> float:
-    """Added time (or FLOPs) the model predicts for one decision per block."""
-    return float(sum(b.cost[d] for b, d in zip(blocks, decisions)))
+def predicted_cost(
+    blocks: Sequence[BlockCosts], decisions: Sequence[str], spans: Sequence[Sequence[int]] = ()
+) -> float:
+    """Added time (or FLOPs) the model predicts for a plan."""
+    if not spans:
+        return float(sum(b.cost[d] for b, d in zip(blocks, decisions)))
+    return float(sum(seg.cost for seg in layout(blocks, decisions, spans)))
 
 
-def parse_budget(budget: int | float | str, reference: int) -> int:
-    """Bytes from ``budget``: bytes (an int, or ``"1.5GiB"``), or a string ``"60%"`` of ``reference``.
+@dataclasses.dataclass
+class StepPeak:
+    """The predicted peak of a training step, where it falls and what it is made of.
 
-    A percentage must be above ``0%`` (which can never be met); ``100%`` or
-    more is met by keeping every block.
+    Attributes:
+        bytes: the peak (absolute: static bytes included).
+        where: the phase (``"backward of 'layers.3'"``, ``"optimizer.step() (first step, ...)"``).
+        breakdown: ``static`` (parameters, buffers, inputs), ``gradients``,
+            ``optimizer`` (state) and ``activations`` (the rest: saved tensors,
+            outputs, temporaries) at the peak; they add up to ``bytes``.
+        movable: whether a plan can lower it (False in the optimizer step or
+            before the first block).
+    """
+
+    bytes: int
+    where: str
+    breakdown: dict[str, int]
+    movable: bool
+
+
+def step_peak(
+    prof: Any, decisions: Sequence[str], spans: Sequence[Sequence[int]] = ()
+) -> StepPeak:
+    """The peak of one step of the default loop under a plan (first and later steps).
+
+    ``prof`` is a :class:`~remat.Profile`; ``spans`` as in :func:`layout`.
+    """
+    static = prof.static_bytes
+    kept = prof.grad_bytes if prof.grads_kept else 0
+    state = prof.optimizer_state_bytes
+    act, where = activation_terms(prof.blocks, prof.top, decisions, prof.pre, spans)
+    grads_at = _grads_at(prof, where)
+    base = {"static": static, "gradients": kept, "optimizer": state}
+    cands = [
+        StepPeak(
+            static + kept + state + act,
+            where,
+            {**base, "gradients": kept + grads_at, "activations": act - grads_at},
+            where != "before the first block",
+        )
+    ]
+    if prof.optimizer is not None:
+        end_act = prof.end_bytes - prof.end_grads
+        grads = kept + prof.end_grads
+        first = prof.optimizer_first_bytes
+        cands.append(
+            StepPeak(
+                static + kept + prof.end_bytes + first,
+                "optimizer.step() of the first step (optimizer state created)",
+                {
+                    "static": static,
+                    "gradients": grads,
+                    "optimizer": min(state, first),
+                    "activations": end_act + first - min(state, first),
+                },
+                False,
+            )
+        )
+        later = prof.optimizer_later_bytes
+        cands.append(
+            StepPeak(
+                static + kept + state + prof.end_bytes + later,
+                "optimizer.step() of later steps",
+                {**base, "gradients": grads, "activations": end_act + later},
+                False,
+            )
+        )
+    best = cands[0]
+    for c in cands[1:]:  # a tie goes to what a plan can move
+        if c.bytes > best.bytes:
+            best = c
+    return best
+
+
+def _grads_at(prof: Any, where: str) -> int:
+    """Gradient bytes alive at the end of the window ``where`` (created in this step)."""
+    if where.startswith("backward of "):
+        name = where[len("backward of ") :].strip("'")
+        for b in prof.blocks:
+            if b.name == name:
+                return int(b.bwd_grads)
+    if where.startswith("after the last block"):
+        return int(prof.top_grads)
+    return 0
+
+
+def parse_budget(budget: int | float | str, static: int, unchecked: int) -> int:
+    """Bytes from ``budget``: the absolute step peak it allows.
+
+    Bytes are an int (``2**30``) or a size string: ``"1.5GiB"``, ``"512MiB"``,
+    ``"18GB"``. Binary prefixes (``KiB``, ``MiB``, ``GiB``, ``TiB``) are powers
+    of 1024; decimal ones (``KB``, ``MB``, ``GB``, ``TB``) powers of 1000, as
+    in the SI (and in Hugging Face's ``max_memory``). A percentage ``"60%"``
+    is ``static`` plus that share of what the unchecked step allocates above
+    ``static`` (``unchecked - static``); it must be above ``0%``, and ``100%``
+    or more is met by keeping every block.
 
     Example:
-        >>> parse_budget("50%", 1000), parse_budget(2048, 1000), parse_budget("1.5KiB", 1000)
-        (500, 2048, 1536)
+        >>> parse_budget("50%", 1000, 3000), parse_budget(2048, 0, 1), parse_budget("1.5KiB", 0, 1)
+        (2000, 2048, 1536)
+        >>> parse_budget("2GB", 0, 1), parse_budget("2GiB", 0, 1)
+        (2000000000, 2147483648)
     """
     hint = (
-        "Pass bytes (a positive int such as 2**30), a size such as '1.5GiB', or a percentage "
-        "of the unchecked activation peak above 0% such as '60%'."
+        "Pass the step's peak in bytes (a positive int such as 2**30, or a size such as "
+        "'1.5GiB' or '18GB'), or a percentage above 0% such as '60%' of what the unchecked "
+        "step allocates above its static bytes."
     )
     if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
-        raise TypeError(f"remat.plan: budget must be bytes or a string, got {budget!r}. {hint}")
+        raise TypeError(
+            f"remat.plan: budget must be bytes (int) or a string, got {type(budget).__name__} "
+            f"{budget!r}. {hint}"
+        )
     if isinstance(budget, (int, float)):
+        if isinstance(budget, float) and 0 < budget < 1:
+            raise ValueError(
+                f"remat.plan: budget={budget!r} is read as bytes (less than one); for a share "
+                f"write it as a percentage string: budget='{budget * 100:g}%'."
+            )
         if not math.isfinite(budget) or budget < 1:
             raise ValueError(f"remat.plan: budget must be >= 1 byte, got {budget!r}. {hint}")
         return int(budget)
@@ -123,23 +497,18 @@ def parse_budget(budget: int | float | str, reference: int) -> int:
             raise ValueError(
                 f"remat.plan: budget percentage must be above 0%, got {budget!r}. {hint}"
             )
-        out = int(reference * pct / 100)
-        if out < 1:
-            raise ValueError(
-                f"remat.plan: budget {budget!r} of the unchecked peak ({reference} bytes) is "
-                f"0 bytes. {hint}"
-            )
-        return out
+        return static + int(max(unchecked - static, 0) * pct / 100)
     m = re.fullmatch(r"\s*([+-]?\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", budget, re.IGNORECASE)
     if m:
-        unit = (m.group(2) or "B").upper().replace("I", "")
-        scale = {"B": 1, "KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}[unit]
+        unit = (m.group(2) or "B").upper()
+        scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}.get(unit) or {
+            "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40
+        }[unit]
         out = int(float(m.group(1)) * scale)
         if out < 1:
             raise ValueError(f"remat.plan: budget must be >= 1 byte, got {budget!r}. {hint}")
         return out
     raise ValueError(f"remat.plan: cannot read budget {budget!r}. {hint}")
-
 
 
 def fmt_bytes(n: int) -> str:

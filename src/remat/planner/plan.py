@@ -4,28 +4,44 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
 
 from .._errors import PlanError
 from .apply import apply_plan
-from .model import DECISIONS, fmt_bytes, parse_budget, predicted_cost, predicted_peak
-from .solve import prefer_simple, smallest_peak, solve_dp, solve_milp
+from .model import DECISIONS, StepPeak, fmt_bytes, parse_budget, predicted_cost
+from .solve import smallest_chain, solve
 
 
 @dataclasses.dataclass
 class Plan:
-    """One decision per candidate block, with what the model predicts for it.
+    """One decision per candidate block, with what the step model predicts for it.
+
+    Bytes are absolute: the peak of one training step of the default loop
+    (parameters, buffers, inputs, gradients, optimizer state and activations),
+    as ``torch.cuda.max_memory_allocated()`` reports it for the step.
 
     Attributes:
         decisions: block name -> ``keep`` / ``recompute`` / ``selective`` / ``offload``.
-        predicted_peak_bytes: predicted peak of a step under this plan.
+        predicted_peak_bytes: predicted peak of a step under this plan (first and
+            later steps).
         predicted_overhead_s: predicted added time per step (FLOPs when the
             profile was made with ``timer="flops"``; see ``cost_unit``).
-        unchecked_peak_bytes: measured peak with every block kept.
+        unchecked_peak_bytes: predicted peak with every block kept.
         budget_bytes: the budget the plan was made for.
         saved_bytes: block name -> bytes the decision saves at the peak.
         added_cost: block name -> time (or FLOPs) the decision adds.
         cost_unit: ``"s"`` or ``"flop"``.
+        static_bytes: parameters, buffers and inputs.
+        peak_at: where the predicted peak falls (``"backward of 'layers.0'"``,
+            ``"optimizer.step() of the first step (optimizer state created)"``, ...).
+        breakdown: the peak split into ``static``, ``gradients``, ``optimizer``
+            and ``activations``.
+        peak_movable: ``False`` when no plan can lower the peak (it is in the
+            optimizer step or before the first block).
+        spans: ``[first, last]`` block names of each region that spans consecutive
+            blocks: one checkpointed region whose blocks are checkpointed inside it
+            as their decision says (``recompute`` or ``split``).
     """
 
     decisions: dict[str, str]
@@ -36,6 +52,11 @@ class Plan:
     saved_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
     added_cost: dict[str, float] = dataclasses.field(default_factory=dict)
     cost_unit: str = "s"
+    static_bytes: int = 0
+    peak_at: str = ""
+    breakdown: dict[str, int] = dataclasses.field(default_factory=dict)
+    peak_movable: bool = True
+    spans: list[list[str]] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> str:
         """Plain JSON (no pickle)."""
@@ -48,6 +69,13 @@ class Plan:
         bad = sorted(set(data.get("decisions", {}).values()) - set(DECISIONS))
         if bad:
             raise PlanError(f"Plan.from_json: unknown decisions {bad}; expected {list(DECISIONS)}.")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise PlanError(
+                f"Plan.from_json: unknown fields {unknown}; the JSON was not written by "
+                "Plan.to_json of this remat version."
+            )
         return cls(**data)
 
     def apply(self, model: Any) -> Any:
@@ -57,44 +85,127 @@ class Plan:
     def __str__(self) -> str:
         unit = "s" if self.cost_unit == "s" else "FLOP"
         w = max([len("module")] + [len(n) for n in self.decisions])
-        lines = [f"{'module':<{w}}  {'decision':<10}{'saves':>12}{'adds':>14}"]
+        dw = max([10] + [len(d) + 2 for d in self.decisions.values()])
+        if self.spans:
+            dw = max(dw, max(len(f"recompute in span {a}..{b}") + 2 for a, b in self.spans))
+        lines = [f"{'module':<{w}}  {'decision':<{dw}}{'saves':>12}{'adds':>14}"]
+        in_span = {}
+        names = list(self.decisions)
+        for first, last in self.spans:
+            for n in names[names.index(first) : names.index(last) + 1]:
+                in_span[n] = f"{first}..{last}"
         for name, d in self.decisions.items():
+            if name in in_span:
+                d = f"{d} in span {in_span[name]}"
             add = self.added_cost.get(name, 0.0)
             add_s = f"{add * 1e3:.2f} ms" if unit == "s" else f"{add:.3g} FLOP"
             lines.append(
-                f"{name:<{w}}  {d:<10}{fmt_bytes(self.saved_bytes.get(name, 0)):>12}{add_s:>14}"
+                f"{name:<{w}}  {d:<{dw}}{fmt_bytes(self.saved_bytes.get(name, 0)):>12}{add_s:>14}"
             )
         total = sum(self.added_cost.values())
         total_s = f"{total * 1e3:.2f} ms" if unit == "s" else f"{total:.3g} FLOP"
         lines.append(
-            f"{'total':<{w}}  {'':<10}{fmt_bytes(sum(self.saved_bytes.values())):>12}{total_s:>14}"
+            f"{'total':<{w}}  {'':<{dw}}{fmt_bytes(sum(self.saved_bytes.values())):>12}{total_s:>14}"
         )
         lines.append(
-            f"predicted peak {fmt_bytes(self.predicted_peak_bytes)} vs unchecked "
+            f"predicted step peak {fmt_bytes(self.predicted_peak_bytes)} vs unchecked "
             f"{fmt_bytes(self.unchecked_peak_bytes)} (budget {fmt_bytes(self.budget_bytes)})"
         )
+        if self.breakdown:
+            parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.breakdown.items())
+            lines.append(f"peak in {self.peak_at}: {parts}")
+        if not self.peak_movable:
+            lines.append(_lever(self.peak_at))
         return "\n".join(lines)
 
 
+def _lever(where: str) -> str:
+    """What lowers a peak that no checkpointing plan can move."""
+    if where.startswith("optimizer.step()"):
+        return (
+            "The peak is in optimizer.step(), which no checkpointing plan lowers: use an "
+            "optimizer with less state (SGD without momentum, a factored or 8-bit optimizer), "
+            "foreach=False (fewer temporaries), or shard the optimizer state (FSDP2 "
+            "fully_shard, ZeRO)."
+        )
+    return (
+        f"The peak is {where}, where no checkpointing plan reaches: make the inputs or the "
+        "layers before the first block smaller (batch, sequence length), or select them as "
+        "blocks too (check_fn=...)."
+    )
 
-def plan(profile: Any, budget: int | float | str, *, solver: str = "auto") -> Plan:
-    """Choose one decision per block: least predicted added time with predicted peak <= budget.
+
+def _solver(name: str) -> str:
+    if name not in ("auto", "milp", "dp"):
+        raise ValueError(f"remat.plan: solver must be 'auto', 'milp' or 'dp', got {name!r}.")
+    if name == "auto":
+        try:
+            import scipy.optimize  # noqa: F401
+
+            return "milp"
+        except ImportError:
+            return "dp"
+    return name
+
+
+def _tolerance(profile: Any, allowed: list[str]) -> float:
+    """Timing noise of a plan's cost: near-ties within it go to the simpler plan."""
+    if profile.cost_unit != "s":
+        return 0.0
+    sq = 0.0
+    for b in profile.blocks:
+        sq += max([b.noise.get(d, 0.0) for d in allowed] + [0.0]) ** 2
+    return math.sqrt(sq)
+
+
+def _check_profile(profile: Any) -> None:
+    if not (hasattr(profile, "blocks") and hasattr(profile, "peak")):
+        raise TypeError(
+            f"remat.plan: profile must be a remat.Profile (from remat.profile(model, *inputs)), "
+            f"got {type(profile).__name__} ({profile!r:.60}). Profile the model first, or call "
+            "remat.auto_checkpoint(model, *inputs, budget=...) to do all steps at once."
+        )
+
+
+def plan(
+    profile: Any,
+    budget: int | float | str,
+    *,
+    solver: str = "auto",
+    spans: bool = False,
+    max_span: int = 16,
+) -> Plan:
+    """Choose one decision per block: least predicted added time with predicted step peak <= budget.
+
+    Near-ties (plans whose predicted costs differ by less than the timing
+    noise the profile measured) go to the simpler plan, the same one every
+    time (see :mod:`remat.planner.solve`).
 
     Args:
         profile: a :class:`~remat.Profile` from :func:`remat.profile`.
-        budget: bytes of activation memory (an int, or ``"18GiB"``), or a
-            percentage above ``0%`` of the profile's unchecked activation peak
-            (``"60%"``). Anything else raises ``ValueError``/``TypeError`` naming it.
+        budget: the peak of one training step in bytes (an int, or ``"18GiB"``;
+            ``"18GB"`` is 18 * 10**9), counting parameters, gradients, optimizer
+            state and activations, as ``torch.cuda.max_memory_allocated()`` does; or a
+            percentage above ``0%`` (``"60%"``) of what the unchecked step allocates
+            above its static bytes (parameters, buffers, inputs, kept gradients and
+            optimizer state). Anything else raises ``ValueError``/``TypeError`` naming it.
         solver: ``"milp"`` (HiGHS via scipy, the ``remat[plan]`` extra),
             ``"dp"`` (exact dynamic program, no dependency) or ``"auto"``
-            (milp when scipy is installed, else dp). Both are exact.
+            (milp when scipy is installed, else dp). All are exact. With spans
+            the chain dynamic program of :func:`remat.planner.solve.solve_chain` is used.
+        spans: also consider regions that span up to ``max_span`` consecutive
+            blocks, each block checkpointed inside (``recompute``) or split into
+            its children (``split``): this goes below the every-block floor, at
+            the cost of recomputing the span's blocks twice. ``False``: one
+            decision per block.
+        max_span: the longest span considered (blocks).
 
     Returns:
         A :class:`Plan`.
 
     Raises:
         PlanError: when no plan reaches the budget; the message gives the
-            smallest reachable peak.
+            smallest reachable peak, where it falls, and what else would lower it.
 
     Example:
         >>> import torch, remat
@@ -104,37 +215,74 @@ def plan(profile: Any, budget: int | float | str, *, solver: str = "auto") -> Pl
         >>> set(p.decisions.values())
         {'keep'}
     """
+    _check_profile(profile)
+    if isinstance(max_span, bool) or not isinstance(max_span, int) or max_span < 1:
+        raise ValueError(f"remat.plan: max_span must be an int >= 1, got {max_span!r}.")
     blocks = profile.blocks
     allowed = list(profile.decisions)
-    budget_bytes = parse_budget(budget, profile.unchecked_peak_bytes)
-    if solver not in ("auto", "milp", "dp"):
-        raise ValueError(f"remat.plan: solver must be 'auto', 'milp' or 'dp', got {solver!r}.")
-    if solver == "auto":
-        try:
-            import scipy.optimize  # noqa: F401
-
-            solver = "milp"
-        except ImportError:
-            solver = "dp"
-    solve = solve_milp if solver == "milp" else solve_dp
-    decisions = solve(blocks, profile.top, budget_bytes, allowed)
-    if decisions is None:
-        lo = smallest_peak(blocks, profile.top, allowed)
-        raise PlanError(
-            f"remat.plan: no plan keeps the predicted peak within {fmt_bytes(budget_bytes)}; the smallest "
-            f"reachable peak is {fmt_bytes(lo)} ({lo} bytes, "
-            f"{100 * lo / max(profile.unchecked_peak_bytes, 1):.0f}% of the unchecked "
-            f"{fmt_bytes(profile.unchecked_peak_bytes)}). Raise the budget, use a smaller batch, or "
-            "profile finer-grained blocks (check_fn=...)."
+    unchecked = profile.unchecked_peak_bytes
+    static = profile.static_step_bytes
+    budget_bytes = parse_budget(budget, static, unchecked)
+    name = _solver(solver)
+    longest = max_span if spans else 1
+    if longest > 1 and name == "milp" and solver == "milp":
+        raise ValueError(
+            "remat.plan: solver='milp' plans one decision per block; pass spans=False with it, "
+            "or solver='dp' (or 'auto') to plan spans too."
         )
-    decisions = prefer_simple(blocks, profile.top, budget_bytes, decisions)
+    floor_ds, floor_spans = smallest_chain(blocks, profile.top, allowed, longest)
+    floor = profile.peak(floor_ds, floor_spans)
+    if floor.bytes > budget_bytes:
+        raise PlanError(_miss(budget_bytes, floor, unchecked))
+    found = solve(
+        blocks,
+        profile.top,
+        budget_bytes - static,
+        allowed,
+        tolerance=_tolerance(profile, allowed),
+        solver=name,
+        max_span=longest,
+    )
+    if found is None:  # cannot happen when the floor fits; kept as a guard
+        raise PlanError(_miss(budget_bytes, floor, unchecked))
+    decisions, chosen_spans = found
+    peak = profile.peak(decisions, chosen_spans)
+    added = {b.name: float(b.cost[d]) for b, d in zip(blocks, decisions)}
+    for a, z in chosen_spans:  # the span's blocks but the last run once more
+        for j in range(a, z):
+            added[blocks[j].name] += float(blocks[j].cost.get("recompute", 0.0))
+    saved = {b.name: b.retained["keep"] - b.retained[d] for b, d in zip(blocks, decisions)}
+    for a, z in chosen_spans:  # block outputs inside a span are not kept either
+        for j in range(a, z):
+            saved[blocks[j].name] += blocks[j].retained[decisions[j]]
     return Plan(
         decisions={b.name: d for b, d in zip(blocks, decisions)},
-        predicted_peak_bytes=predicted_peak(blocks, profile.top, decisions),
-        predicted_overhead_s=predicted_cost(blocks, decisions),
-        unchecked_peak_bytes=profile.unchecked_peak_bytes,
+        predicted_peak_bytes=peak.bytes,
+        predicted_overhead_s=predicted_cost(blocks, decisions, chosen_spans),
+        unchecked_peak_bytes=unchecked,
         budget_bytes=budget_bytes,
-        saved_bytes={b.name: b.retained["keep"] - b.retained[d] for b, d in zip(blocks, decisions)},
-        added_cost={b.name: float(b.cost[d]) for b, d in zip(blocks, decisions)},
+        saved_bytes=saved,
+        added_cost=added,
         cost_unit=profile.cost_unit,
+        static_bytes=profile.static_bytes,
+        peak_at=peak.where,
+        breakdown=peak.breakdown,
+        peak_movable=peak.movable,
+        spans=[[blocks[a].name, blocks[z].name] for a, z in chosen_spans],
     )
+
+
+def _miss(budget: int, floor: StepPeak, unchecked: int) -> str:
+    parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in floor.breakdown.items())
+    msg = (
+        f"remat.plan: no plan keeps the predicted step peak within {fmt_bytes(budget)} "
+        f"({budget} bytes); the smallest reachable peak is {fmt_bytes(floor.bytes)} "
+        f"({floor.bytes} bytes, unchecked {fmt_bytes(unchecked)}), in {floor.where} "
+        f"({parts}). "
+    )
+    if floor.movable:
+        return msg + (
+            "Raise the budget, use a smaller batch or sequence, or profile finer-grained "
+            "blocks (check_fn=...)."
+        )
+    return msg + _lever(floor.where)

@@ -1,0 +1,141 @@
+"""Steps that are not the user's: what they change, put back exactly; bytes that exist before a step.
+
+Profiling and measuring run real training steps. :class:`StepState` records
+everything such a step changes (RNG, buffers, gradients of parameters and
+inputs, optimizer state and hyper-parameters, parameter values when an
+optimizer steps) and puts it back, on every exit path. :func:`static_bytes`
+and :func:`grad_bytes` count the bytes a step starts with.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._modelinfo import BufferSnapshot
+from .._tree import tensors_in
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor], device: torch.device | None) -> int:
+    """Bytes of the distinct storages of ``tensors`` (on ``device``; all when ``None``)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.is_meta:
+            continue
+        if device is not None and t.device != device:
+            continue
+        if t.layout != torch.strided:  # sparse: its parts
+            parts = [t._indices(), t._values()] if t.layout == torch.sparse_coo else []
+            seen[id(t)] = sum(p.untyped_storage().nbytes() for p in parts)
+            continue
+        st = t.untyped_storage()
+        seen[st._cdata] = st.nbytes()
+    return sum(seen.values())
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """The tensors of an optimizer's state (``exp_avg``, ``momentum_buffer``, ``step``, ...)."""
+    if optimizer is None:
+        return []
+    found: list[torch.Tensor] = []
+    tensors_in(list(optimizer.state.values()), found)
+    return found
+
+
+def static_bytes(model: nn.Module, args: Any, device: torch.device | None) -> int:
+    """Bytes of the model's parameters and buffers and of the tensor inputs."""
+    inputs: list[torch.Tensor] = []
+    tensors_in(args, inputs)
+    return storage_bytes([*model.parameters(), *model.buffers(), *inputs], device)
+
+
+def trainable(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """Parameters whose ``.grad`` a step writes: the model's and the optimizer's."""
+    params = {id(p): p for p in model.parameters() if p.requires_grad}
+    if optimizer is not None:
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                params.setdefault(id(p), p)
+    return list(params.values())
+
+
+def grad_bytes(params: Iterable[torch.Tensor], device: torch.device | None) -> int:
+    """Bytes of the ``.grad`` of ``params`` that exist now."""
+    return storage_bytes([p.grad for p in params if p.grad is not None], device)
+
+
+class StepState:
+    """Everything a training step changes, recorded now and put back by :meth:`restore`.
+
+    The gradients of the parameters (and of the leaf inputs) are taken off
+    (set to ``None``) and given back as the very tensors they were, so the
+    steps in between never write into the user's gradients.
+
+    Args:
+        model: the model.
+        inputs: the leaf tensors among the inputs that require grad.
+        optimizer: also record its state, hyper-parameters and the parameter
+            values (an ``optimizer.step()`` changes them).
+        device: also record that device's RNG (CUDA).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inputs: list[torch.Tensor],
+        optimizer: torch.optim.Optimizer | None,
+        device: torch.device,
+    ) -> None:
+        self.params = trainable(model, optimizer)
+        self.leaves = [*self.params, *[t for t in inputs if all(t is not p for p in self.params)]]
+        self.grads = [t.grad for t in self.leaves]
+        self.buffers = BufferSnapshot(model)
+        self.rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
+        self.optimizer = optimizer
+        self.values: list[torch.Tensor] = []
+        if optimizer is not None:
+            self.opt_state = optimizer.state
+            self.groups = [
+                {k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+                for g in optimizer.param_groups
+            ]
+            self.opt_attrs = {k: v for k, v in vars(optimizer).items() if k == "_opt_called"}
+            with torch.no_grad():
+                self.values = [p.detach().clone() for p in self.params]
+        for t in self.leaves:
+            t.grad = None
+
+    def reset_rng(self) -> None:
+        """Put the RNG back where it was, for the next step."""
+        torch.set_rng_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+
+    def fresh_optimizer_state(self) -> None:
+        """Give the optimizer an empty state, as before its first step (restored later)."""
+        if self.optimizer is not None:
+            self.optimizer.state = collections.defaultdict(dict)
+
+    def restore(self) -> None:
+        """Put everything back as it was when this object was made."""
+        opt = self.optimizer
+        if opt is not None:
+            opt.state = self.opt_state
+            for group, saved in zip(opt.param_groups, self.groups):
+                group.update(saved)
+            for k in ("_opt_called",):
+                vars(opt).pop(k, None)
+            vars(opt).update(self.opt_attrs)
+            with torch.no_grad():
+                for p, v in zip(self.params, self.values):
+                    p.copy_(v)
+        for t, grad in zip(self.leaves, self.grads):
+            t.grad = grad
+        self.buffers.restore()
+        self.reset_rng()
