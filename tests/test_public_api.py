@@ -7,14 +7,17 @@ import remat
 
 EXPECTED_ALL = [
     "CheckpointError",
+    "CheckpointFunction",
     "CheckpointPolicy",
     "DefaultDeviceType",
+    "GraphExecGroup",
     "OffloadStats",
     "Plan",
     "PlanError",
     "Profile",
     "RematError",
     "Report",
+    "SAC_IGNORED_OPS",
     "SelectiveCheckpointContext",
     "apply_activation_checkpointing",
     "auto_checkpoint",
@@ -50,6 +53,15 @@ def test_all_is_pinned_and_sorted():
 
 def test_every_name_in_all_exists():
     for name in remat.__all__:
+        assert hasattr(remat, name), name
+
+
+def test_every_name_of_torch_utils_checkpoint_all_is_in_remat():
+    import torch.utils.checkpoint as tuc
+
+    missing = [name for name in tuc.__all__ if name not in remat.__all__]
+    assert missing == []
+    for name in tuc.__all__:
         assert hasattr(remat, name), name
 
 

@@ -11,6 +11,7 @@ from . import memory, policies
 from ._auto import auto_checkpoint, measure_peak
 from ._checkpoint import checkpoint, noop_context_fn
 from ._config import (
+    GraphExecGroup,
     disable_checkpointing,
     is_checkpointing,
     is_recomputing,
@@ -21,8 +22,12 @@ from ._errors import CheckpointError, PlanError, RematError
 from ._offload import OffloadStats, offload
 from ._plan import Plan, plan
 from ._profile import Profile, profile
-from ._reentrant import check_backward_validity, detach_variable
-from ._selective import SelectiveCheckpointContext, create_selective_checkpoint_contexts
+from ._reentrant import CheckpointFunction, check_backward_validity, detach_variable
+from ._selective import (
+    SAC_IGNORED_OPS,
+    SelectiveCheckpointContext,
+    create_selective_checkpoint_contexts,
+)
 from ._sequential import checkpoint_sequential
 from ._state import DefaultDeviceType, get_device_states, set_device_states
 from ._verify import Report, verify
@@ -33,14 +38,17 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "CheckpointError",
+    "CheckpointFunction",
     "CheckpointPolicy",
     "DefaultDeviceType",
+    "GraphExecGroup",
     "OffloadStats",
     "Plan",
     "PlanError",
     "Profile",
     "RematError",
     "Report",
+    "SAC_IGNORED_OPS",
     "SelectiveCheckpointContext",
     "apply_activation_checkpointing",
     "auto_checkpoint",
