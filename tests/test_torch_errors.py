@@ -358,6 +358,12 @@ def policy_fn(ctx, op, *args, **kwargs):
             TypeError,
             ["use_reentrant must be True, False or None", "'yes'"],
         ),
+        # torch: AttributeError: 'int' object has no attribute 'named_modules'
+        (
+            lambda x: remat.apply_activation_checkpointing(5),
+            TypeError,
+            ["model must be an nn.Module", "got int", "checkpoint_wrapper wraps a single"],
+        ),
     ],
     ids=[
         "function-not-callable",
@@ -367,6 +373,7 @@ def policy_fn(ctx, op, *args, **kwargs):
         "contexts-instead-of-context-fn",
         "context-fn-returns-none",
         "use-reentrant-not-bool",
+        "apply-to-non-module",
     ],
 )
 def test_unclear_inputs_get_errors_naming_argument_value_and_fix(call, error, pieces):
@@ -376,6 +383,15 @@ def test_unclear_inputs_get_errors_naming_argument_value_and_fix(call, error, pi
     for piece in pieces:
         assert piece in str(info.value), (piece, str(info.value))
     assert not remat.is_checkpointing()
+
+
+def test_errors_do_not_print_private_class_names():
+    lin = remat.checkpoint_wrapper(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError) as info:
+        remat.checkpoint_wrapper(lin, use_reentrant=True)
+    message = str(info.value)
+    assert "_Options" not in message and "remat._" not in message
+    assert "default options" in message and "use_reentrant=True" in message
 
 
 # -- differences from torch, documented in the README ---------------------------------------

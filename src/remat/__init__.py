@@ -19,6 +19,7 @@ from ._config import (
     set_checkpoint_early_stop,
 )
 from ._errors import CheckpointError, PlanError, RematError
+from ._forms import CheckpointImpl
 from ._offload import OffloadStats, offload
 from ._plan import Plan, plan
 from ._profile import Profile, profile
@@ -31,7 +32,7 @@ from ._selective import (
 from ._sequential import checkpoint_sequential
 from ._state import DefaultDeviceType, get_device_states, set_device_states
 from ._verify import Report, verify
-from ._wrap import apply_activation_checkpointing, checkpoint_wrapper, unwrap
+from ._wrap import apply_activation_checkpointing, checkpoint_wrapper, offload_wrapper, unwrap
 from .policies import CheckpointPolicy
 
 __version__ = "0.1.0.dev0"
@@ -39,6 +40,7 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "CheckpointError",
     "CheckpointFunction",
+    "CheckpointImpl",
     "CheckpointPolicy",
     "DefaultDeviceType",
     "GraphExecGroup",
@@ -66,6 +68,7 @@ __all__ = [
     "memory",
     "noop_context_fn",
     "offload",
+    "offload_wrapper",
     "plan",
     "policies",
     "profile",
