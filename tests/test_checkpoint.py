@@ -556,7 +556,7 @@ def unpack_twice(ctx):
     "on_backward, error, match",
     [
         (raise_in_backward, Boom, "in backward"),  # the op's own backward raises
-        (unpack_twice, remat.CheckpointError, "unpacked twice"),  # a clear error, not a crash
+        (unpack_twice, remat.CheckpointError, "already unpacked once"),  # torch's phrase
     ],
     ids=["op-backward-raises", "saved-tensor-unpacked-twice"],
 )

@@ -7,14 +7,18 @@ import remat
 
 EXPECTED_ALL = [
     "CheckpointError",
+    "CheckpointFunction",
+    "CheckpointImpl",
     "CheckpointPolicy",
     "DefaultDeviceType",
+    "GraphExecGroup",
     "OffloadStats",
     "Plan",
     "PlanError",
     "Profile",
     "RematError",
     "Report",
+    "SAC_IGNORED_OPS",
     "SelectiveCheckpointContext",
     "apply_activation_checkpointing",
     "auto_checkpoint",
@@ -32,6 +36,7 @@ EXPECTED_ALL = [
     "memory",
     "noop_context_fn",
     "offload",
+    "offload_wrapper",
     "plan",
     "policies",
     "profile",
@@ -51,6 +56,27 @@ def test_all_is_pinned_and_sorted():
 def test_every_name_in_all_exists():
     for name in remat.__all__:
         assert hasattr(remat, name), name
+
+
+def test_every_name_of_torch_utils_checkpoint_all_is_in_remat():
+    import torch.utils.checkpoint as tuc
+
+    missing = [name for name in tuc.__all__ if name not in remat.__all__]
+    assert missing == []
+    for name in tuc.__all__:
+        assert hasattr(remat, name), name
+
+
+def test_import_does_not_import_torchs_distributed_wrapper():
+    code = (
+        "import sys, torch, remat\n"
+        "m = remat.checkpoint_wrapper(torch.nn.Linear(2, 2), "
+        "checkpoint_impl=remat.CheckpointImpl.REENTRANT)\n"
+        "m(torch.randn(1, 2, requires_grad=True)).sum().backward()\n"
+        "print('torch.distributed.algorithms._checkpoint.checkpoint_wrapper' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 def test_import_and_first_checkpoint_do_not_import_dynamo():

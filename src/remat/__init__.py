@@ -10,6 +10,7 @@ Example:
 from . import memory, policies
 from ._checkpoint import checkpoint, noop_context_fn
 from ._config import (
+    GraphExecGroup,
     disable_checkpointing,
     is_checkpointing,
     is_recomputing,
@@ -17,13 +18,18 @@ from ._config import (
     set_checkpoint_early_stop,
 )
 from ._errors import CheckpointError, PlanError, RematError
+from ._forms import CheckpointImpl
 from ._offload import OffloadStats, offload
-from ._reentrant import check_backward_validity, detach_variable
-from ._selective import SelectiveCheckpointContext, create_selective_checkpoint_contexts
+from ._reentrant import CheckpointFunction, check_backward_validity, detach_variable
+from ._selective import (
+    SAC_IGNORED_OPS,
+    SelectiveCheckpointContext,
+    create_selective_checkpoint_contexts,
+)
 from ._sequential import checkpoint_sequential
 from ._state import DefaultDeviceType, get_device_states, set_device_states
 from ._verify import Report, verify
-from ._wrap import apply_activation_checkpointing, checkpoint_wrapper, unwrap
+from ._wrap import apply_activation_checkpointing, checkpoint_wrapper, offload_wrapper, unwrap
 from .planner import Plan, Profile, auto_checkpoint, measure_peak, plan, profile
 from .policies import CheckpointPolicy
 
@@ -31,14 +37,18 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "CheckpointError",
+    "CheckpointFunction",
+    "CheckpointImpl",
     "CheckpointPolicy",
     "DefaultDeviceType",
+    "GraphExecGroup",
     "OffloadStats",
     "Plan",
     "PlanError",
     "Profile",
     "RematError",
     "Report",
+    "SAC_IGNORED_OPS",
     "SelectiveCheckpointContext",
     "apply_activation_checkpointing",
     "auto_checkpoint",
@@ -56,6 +66,7 @@ __all__ = [
     "memory",
     "noop_context_fn",
     "offload",
+    "offload_wrapper",
     "plan",
     "policies",
     "profile",

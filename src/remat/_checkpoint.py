@@ -87,6 +87,9 @@ def checkpoint(
         Whatever ``function`` returns.
 
     Raises:
+        TypeError: when ``function`` is not callable, ``use_reentrant`` is not
+            a bool or ``None``, or ``context_fn`` is not a context function (a
+            policy passed by mistake is named as such).
         ValueError: for options the chosen variant does not take, or an
             unknown ``determinism_check``.
         CheckpointError: in backward, when recompute does not reproduce the forward.
@@ -108,8 +111,23 @@ def checkpoint(
     """
     if use_reentrant is None:
         use_reentrant = False
-    if context_fn is _torch_noop:  # torch's default passed explicitly: the same as ours
-        context_fn = noop_context_fn
+    elif use_reentrant is not True and use_reentrant is not False:
+        raise TypeError(
+            f"remat.checkpoint: use_reentrant must be True, False or None, got {use_reentrant!r}. "
+            "Pass use_reentrant=False (the default) or True for the reentrant variant."
+        )
+    if not callable(function):
+        raise _not_callable(function)
+    if context_fn is not noop_context_fn:
+        if context_fn is _torch_noop:  # torch's default passed explicitly: the same as ours
+            context_fn = noop_context_fn
+        elif not callable(context_fn):
+            raise TypeError(
+                f"remat.checkpoint: context_fn must be a function returning two context "
+                f"managers, got {type(context_fn).__name__}. For selective checkpointing pass "
+                "context_fn=functools.partial(remat.create_selective_checkpoint_contexts, policy) "
+                "(the function, not the pair it returns)."
+            )
     if torch.compiler.is_compiling():
         return _compiled(
             function,
@@ -132,8 +150,8 @@ def checkpoint(
             )
         if context_fn is not noop_context_fn or debug is not False:
             raise ValueError(
-                "remat.checkpoint: context_fn and debug are only supported with "
-                "use_reentrant=False; drop them or pass use_reentrant=False."
+                "remat.checkpoint: Passing `context_fn` or `debug` is only supported when "
+                "use_reentrant=False. Drop them or pass use_reentrant=False (the default)."
             )
     if determinism_check not in _CHECKS:
         raise ValueError(
@@ -155,6 +173,17 @@ def checkpoint(
         determinism_check=determinism_check,
         debug=debug if dbg is None else dbg,
         early_stop=early_stop if stop is None else stop,
+    )
+
+
+def _not_callable(function: Any) -> TypeError:
+    text = repr(function)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return TypeError(
+        f"remat.checkpoint: function must be callable, got {type(function).__name__} {text}. "
+        "Pass the function or module to run first and its arguments after it: "
+        "checkpoint(function, *args)."
     )
 
 

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as _tuc
 
 _early_stop: ContextVar[bool | None] = ContextVar("remat_early_stop", default=None)
 _debug: ContextVar[bool | None] = ContextVar("remat_debug", default=None)
@@ -17,6 +21,7 @@ _disabled: ContextVar[bool] = ContextVar("remat_disabled", default=False)
 # Depth counters rather than bools so that nested regions restore correctly.
 _checkpointing: ContextVar[int] = ContextVar("remat_checkpointing", default=0)
 _recomputing: ContextVar[int] = ContextVar("remat_recomputing", default=0)
+_group: ContextVar[Any] = ContextVar("remat_graph_exec_group", default=None)
 
 
 @contextlib.contextmanager
@@ -127,3 +132,44 @@ def is_recomputing() -> bool:
         1
     """
     return _recomputing.get() > 0
+
+
+class _GraphExecGroupFallback:
+    """``GraphExecGroup`` for torch versions that lack it (same contract, task-local).
+
+    Backward calls made inside one instance recompute each non-reentrant
+    region at most once; they must not need the same saved tensor twice.
+    """
+
+    def __init__(self) -> None:
+        self._token: Token[Any] | None = None
+
+    def __enter__(self) -> _GraphExecGroupFallback:
+        current = current_graph_exec_group()
+        if current is not None:
+            raise RuntimeError(
+                f"GraphExecGroup contexts cannot be nested. Already inside group {current}; "
+                "leave it before entering another one."
+            )
+        self._token = _group.set(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._token is not None:
+            _group.reset(self._token)
+            self._token = None
+
+
+#: torch's own class where torch has it (2.13 does), so that torch's and remat's
+#: checkpoints inside one group share it; otherwise remat's equivalent.
+GraphExecGroup: Any = getattr(_tuc, "GraphExecGroup", _GraphExecGroupFallback)
+_torch_group = getattr(torch._C, "_get_graph_exec_group", None)
+
+
+def current_graph_exec_group() -> Any:
+    """The ``GraphExecGroup`` entered in this thread, or ``None``."""
+    if _torch_group is not None:
+        group = _torch_group()
+        if group is not None:
+            return group
+    return _group.get()

@@ -70,7 +70,8 @@ class _Holder:
     __slots__ = ("recomputed", "__weakref__")
 
     def __init__(self) -> None:
-        self.recomputed: dict[int, torch.Tensor] = {}
+        # by graph task id, or by GraphExecGroup
+        self.recomputed: dict[Any, torch.Tensor] = {}
 
 
 class _StopRecompute(Exception):
@@ -138,7 +139,7 @@ class _Frame:
         self.debug = debug
         self.holders: list[weakref.ref[_Holder]] = []
         self.metas: list[Any] = []
-        self.done: set[int] = set()
+        self.done: set[Any] = set()
         self.forward_completed = False
         self.fwd_ops: list[tuple[str, str]] | None = None
         self.versions: list[int] | None = None
@@ -170,29 +171,41 @@ class _Frame:
         return h
 
     def unpack(self, h: _Holder) -> torch.Tensor:
-        gid = _graph_task_id()
-        outside = gid == -1
-        if outside:  # a saved tensor read outside backward: recompute just for it
-            gid = next(_outside_backward_ids)
+        group = _config.current_graph_exec_group()
+        gid: Any
+        if group is not None:  # one recompute for every backward inside the group
+            gid, outside = group, False
+        else:
+            gid = _graph_task_id()
+            outside = gid == -1
+            if outside:  # a saved tensor read outside backward: recompute just for it
+                gid = next(_outside_backward_ids)
         if gid not in self.done:
             self.recompute(gid)
-            if not outside:
+            if group is None and not outside:
                 # Tensors this backward never unpacks (a partial backward) are dropped
                 # when it ends, not kept until the graph dies.
                 _engine.queue_callback(_DropTask(self, gid))
         try:
             return h.recomputed.pop(gid)
         except KeyError:
+            overlap = (
+                "Two backward calls inside one GraphExecGroup needed the same saved tensor; "
+                "backward calls that overlap are not allowed inside a group. "
+                if group is not None
+                else ""
+            )
             raise CheckpointError(
-                "remat.checkpoint: a saved tensor of a checkpointed region was unpacked twice in "
-                "the same backward. If a custom autograd.Function reads ctx.saved_tensors more "
-                "than once in backward, read it once and keep the result."
+                "remat.checkpoint: Unpack is being triggered for a tensor that was already "
+                f"unpacked once (a saved tensor of a checkpointed region). {overlap}If a custom "
+                "autograd.Function reads ctx.saved_tensors more than once in backward, read it "
+                "once and keep the result."
             ) from None
         finally:
             if outside:
                 self.drop(gid)
 
-    def drop(self, gid: int) -> None:
+    def drop(self, gid: Any) -> None:
         """Forget what was recomputed for graph task ``gid`` and not used."""
         self.done.discard(gid)
         for ref in self.holders:
@@ -221,7 +234,7 @@ class _Frame:
         it = iter(tensors)
         return tuple(next(it) if a is SLOT else a for a in self.args), self.kwargs
 
-    def recompute(self, gid: int) -> None:
+    def recompute(self, gid: Any) -> None:
         args, kwargs = self.input_values()
         rec = _RecomputeHook(self, gid)
         log = None
@@ -291,7 +304,7 @@ class _DropTask:
 
     __slots__ = ("frame", "gid")
 
-    def __init__(self, frame: _Frame, gid: int) -> None:
+    def __init__(self, frame: _Frame, gid: Any) -> None:
         self.frame = weakref.ref(frame)
         self.gid = gid
 
@@ -306,7 +319,7 @@ class _RecomputeHook:
 
     __slots__ = ("frame", "gid", "count", "bad")
 
-    def __init__(self, frame: _Frame, gid: int) -> None:
+    def __init__(self, frame: _Frame, gid: Any) -> None:
         self.frame = frame
         self.gid = gid
         self.count = 0
@@ -324,7 +337,11 @@ class _RecomputeHook:
                 # Backward ran inside the forward itself: nothing to compare. Or debug:
                 # run to the end so that finish() lists every operator of the recompute.
                 return x
-            raise frame.mismatch(f"the recompute saved more tensors than the forward ({n}).", None)
+            raise frame.mismatch(
+                "trying to save more tensors during recomputation than during the original "
+                f"forward pass (forward: {n}).",
+                None,
+            )
         h = frame.holders[i]()
         if h is not None:
             h.recomputed[self.gid] = x
@@ -348,8 +365,8 @@ class _RecomputeHook:
         n = len(frame.holders)
         if self.count != n and frame.forward_completed:
             raise frame.mismatch(
-                "a different number of tensors was saved in forward and in recompute "
-                f"(forward: {n}, recompute: {self.count}).",
+                "A different number of tensors was saved during the original forward and "
+                f"recomputation (forward: {n}, recompute: {self.count}).",
                 log,
             )
         if self.bad:
@@ -360,10 +377,11 @@ class _RecomputeHook:
                     line += f"; checksum forward {want[3].tolist()} vs recompute {got[3].tolist()}"
                 lines.append(line)
             more = f"\n  ... and {len(self.bad) - 10} more" if len(self.bad) > 10 else ""
-            kind = "values" if frame.check == "values" else "metadata"
+            # "values" catches value drift too; metadata differences are torch's wording
+            kind = "values (checksums)" if frame.check == "values" else "metadata"
             raise frame.mismatch(
-                f"recomputed tensors have different {kind} than in forward "
-                f"({len(self.bad)} of {n}):\n" + "\n".join(lines) + more,
+                f"Recomputed values for the following tensors have different {kind} than "
+                f"during the forward pass ({len(self.bad)} of {n}):\n" + "\n".join(lines) + more,
                 log,
             )
 
@@ -412,7 +430,7 @@ def run_nonreentrant(
     fwd_ctx: Any = None
     rec_ctx: Any = None
     if context_fn is not None:
-        fwd_ctx, rec_ctx = context_fn()
+        fwd_ctx, rec_ctx = _contexts(context_fn)
     frame = _Frame(
         fn, args, kwargs, nested, tensors, state, rec_ctx, determinism_check, early_stop, debug
     )
@@ -437,6 +455,54 @@ def run_nonreentrant(
     return out
 
 
+def _contexts(context_fn: Callable[[], Any]) -> tuple[Any, Any]:
+    """Call ``context_fn``; say what is wrong when it is not a context function."""
+    try:
+        contexts = context_fn()
+    except TypeError as e:
+        if _takes_arguments(context_fn):
+            raise TypeError(
+                f"remat.checkpoint: context_fn must be a function of no arguments returning two "
+                f"context managers, got {_name(context_fn)}, which takes arguments (a "
+                "selective-checkpointing policy?). Pass "
+                "context_fn=functools.partial(remat.create_selective_checkpoint_contexts, "
+                "policy), or use remat.checkpoint_wrapper(module, policy=policy)."
+            ) from e
+        raise
+    if not isinstance(contexts, (tuple, list)) or len(contexts) != 2:
+        raise TypeError(
+            f"remat.checkpoint: context_fn must return two context managers (forward, "
+            f"recompute), but {_name(context_fn)} returned {type(contexts).__name__} "
+            f"{_short(contexts)}. Return a pair, as remat.create_selective_checkpoint_contexts "
+            "does."
+        )
+    return contexts[0], contexts[1]
+
+
+def _takes_arguments(fn: Any) -> bool:
+    """Whether ``fn`` needs positional arguments (only asked on an error path)."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(
+        p.default is p.empty
+        and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        for p in params
+    )
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 _NOT_RUN = object()
 
 
@@ -454,8 +520,8 @@ def _run_in(fwd_ctx: Any, log: Any, fn: Callable[..., Any], args: Any, kwargs: A
             out = fn(*args, **kwargs)
     if out is _NOT_RUN:
         raise RuntimeError(
-            "remat.checkpoint: the forward context returned by context_fn suppressed an "
-            "exception raised in the checkpointed function; checkpoint cannot return a value "
+            "remat.checkpoint: the forward context provided by context_fn suppressed an "
+            "exception raised during the checkpointed forward; checkpoint cannot return a value "
             "for a failed forward. Make the context manager's __exit__ return False."
         )
     return out

@@ -31,10 +31,10 @@ from . import _config
 from ._state import ForwardState, generators_in
 
 _BACKWARD_INPUTS_MSG = (
-    "remat.checkpoint: use_reentrant=True does not work with torch.autograd.grad() or "
-    "backward(inputs=...): its backward runs a nested backward that cannot see which "
-    "inputs you asked for. Pass use_reentrant=False (the default), or call .backward() "
-    "without the inputs argument."
+    "remat.checkpoint: When use_reentrant=True, torch.utils.checkpoint is incompatible with "
+    ".grad() or passing an `inputs` parameter to .backward(), and so is remat.checkpoint: its "
+    "backward runs a nested backward that cannot see which inputs you asked for. Pass "
+    "use_reentrant=False (the default), or call .backward() without the inputs argument."
 )
 
 
@@ -53,8 +53,8 @@ def detach_variable(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
     """
     if not isinstance(inputs, tuple):
         raise RuntimeError(
-            f"detach_variable: only tuple of tensors is supported, got {type(inputs).__name__}. "
-            "Wrap the inputs in a tuple."
+            "detach_variable: Only tuple of tensors is supported. Got Unsupported input type: "
+            f"{type(inputs).__name__}. Wrap the inputs in a tuple."
         )
     out = []
     for inp in inputs:
@@ -80,7 +80,139 @@ def check_backward_validity(inputs: Iterable[Any]) -> None:
         )
 
 
+def _forward(
+    ctx: Any,
+    run_function: Callable[..., Any],
+    preserve: bool,
+    args: tuple[Any, ...],
+    anchored: bool,
+    params: tuple[Any, ...],
+) -> Any:
+    """Keep the tensor arguments and the forward's state, run ``run_function`` without grad."""
+    ctx.run_function = run_function
+    ctx.preserve_rng_state = preserve
+    ctx.anchored = anchored
+    ctx.n_params = len(params)
+    ctx.params = params
+    tensors = []
+    ctx.tensor_indices = []
+    ctx.inputs = []
+    for i, arg in enumerate(args):
+        if isinstance(arg, torch.Tensor):
+            tensors.append(arg)
+            ctx.tensor_indices.append(i)
+            ctx.inputs.append(None)
+        else:
+            ctx.inputs.append(arg)
+    generators: list[torch.Generator] = []
+    if preserve:
+        generators_in(args, generators)
+    ctx.state = ForwardState(tensors, preserve, generators)
+    ctx.save_for_backward(*tensors)
+    c_tok = _config._checkpointing.set(_config._checkpointing.get() + 1)
+    try:
+        with torch.no_grad():
+            return run_function(*args)
+    finally:
+        _config._checkpointing.reset(c_tok)
+
+
+def _backward(ctx: Any, grads: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Recompute and backpropagate; the gradients of the arguments, then of the params."""
+    if not ctx.n_params and not torch.autograd._is_checkpoint_valid():
+        raise RuntimeError(_BACKWARD_INPUTS_MSG)
+    inputs = list(ctx.inputs)
+    for idx, t in zip(ctx.tensor_indices, ctx.saved_tensors):
+        inputs[idx] = t
+    token = ctx.state.enter()
+    c_tok = _config._checkpointing.set(_config._checkpointing.get() + 1)
+    r_tok = _config._recomputing.set(_config._recomputing.get() + 1)
+    try:
+        detached = detach_variable(tuple(inputs))
+        for x, d in zip(inputs, detached):
+            if isinstance(d, torch.Tensor) and d.requires_grad:
+                d._remat_source = x  # type: ignore[attr-defined]  # see _reaches_leaf
+        with torch.enable_grad():
+            outputs = ctx.run_function(*detached)
+    finally:
+        _config._recomputing.reset(r_tok)
+        _config._checkpointing.reset(c_tok)
+        ctx.state.exit(token)
+    if isinstance(outputs, torch.Tensor):
+        outputs = (outputs,)
+    outs, out_grads = [], []
+    for o, g in zip(outputs, grads):
+        if isinstance(o, torch.Tensor) and o.requires_grad:
+            outs.append(o)
+            out_grads.append(g)
+    if not outs and not ctx.anchored and not ctx.n_params and _reaches_leaf(inputs):
+        raise RuntimeError(
+            "remat.checkpoint: none of output has requires_grad=True, this checkpoint() is not "
+            "necessary: no output of the checkpointed function requires grad in recompute. "
+            "Remove the checkpoint, or check that the function uses its inputs or parameters."
+        )
+    if ctx.n_params:
+        # Known parameters: their gradients go out through the outer graph (so DDP and
+        # friends see each parameter used once), not into .grad by a nested backward.
+        wanted = [x for x in detached if isinstance(x, torch.Tensor) and x.requires_grad]
+        wanted += [p for p in ctx.params if p.requires_grad]
+        # Leaves the region reads but does not own (a weight tied to another module's):
+        # they get their gradients from a nested backward, as without the parameters.
+        foreign = _foreign_leaves(outs, wanted) if outs else []
+        got = iter(
+            torch.autograd.grad(
+                outs, wanted, out_grads, allow_unused=True, retain_graph=bool(foreign)
+            )
+            if outs and wanted
+            else [None] * len(wanted)
+        )
+        if foreign:
+            torch.autograd.backward(outs, out_grads, inputs=foreign)
+        input_grads = tuple(
+            next(got) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in detached
+        )
+        param_grads = tuple(next(got) if p.requires_grad else None for p in ctx.params)
+        return input_grads + param_grads
+    if outs:
+        torch.autograd.backward(outs, out_grads)
+    return tuple(x.grad if isinstance(x, torch.Tensor) else None for x in detached)
+
+
+class CheckpointFunction(torch.autograd.Function):
+    """The reentrant checkpoint as an ``autograd.Function``, under torch's name and signature.
+
+    ``CheckpointFunction.apply(run_function, preserve_rng_state, *args)`` runs
+    ``run_function(*args)`` without grad and recomputes it in backward, exactly
+    as ``torch.utils.checkpoint.CheckpointFunction`` does (same arguments, same
+    warning when no argument requires grad, same errors), for code that calls
+    or subclasses torch's class. ``ctx.run_function``, ``ctx.preserve_rng_state``,
+    ``ctx.inputs`` and ``ctx.tensor_indices`` are set as in torch. Prefer
+    ``remat.checkpoint(fn, *args, use_reentrant=True)``, which also gives the
+    parameters inside gradients when no argument requires grad.
+
+    Example:
+        >>> import torch, remat
+        >>> x = torch.randn(3, requires_grad=True)
+        >>> remat.CheckpointFunction.apply(torch.sin, True, x).sum().backward()
+        >>> torch.equal(x.grad, x.detach().cos())
+        True
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, run_function: Callable[..., Any], preserve_rng_state: bool, *args: Any
+    ) -> Any:
+        check_backward_validity(args)
+        return _forward(ctx, run_function, preserve_rng_state, args, False, ())
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        return (None, None) + _backward(ctx, grads)
+
+
 class _ReentrantCheckpoint(torch.autograd.Function):
+    """What ``checkpoint(use_reentrant=True)`` and the wrapper run: an anchor and known params."""
+
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
@@ -90,90 +222,19 @@ class _ReentrantCheckpoint(torch.autograd.Function):
         n_params: int,
         *args_and_params: Any,
     ) -> Any:
-        ctx.run_function = run_function
-        ctx.anchored = anchor is not None
-        ctx.n_params = n_params
-        args = args_and_params[: len(args_and_params) - n_params]
-        ctx.params = args_and_params[len(args) :]
-        tensors = []
-        ctx.tensor_indices = []
-        ctx.inputs = []
-        for i, arg in enumerate(args):
-            if isinstance(arg, torch.Tensor):
-                tensors.append(arg)
-                ctx.tensor_indices.append(i)
-                ctx.inputs.append(None)
-            else:
-                ctx.inputs.append(arg)
-        generators: list[torch.Generator] = []
-        if preserve:
-            generators_in(args, generators)
-        ctx.state = ForwardState(tensors, preserve, generators)
-        ctx.save_for_backward(*tensors)
-        with torch.no_grad():
-            return run_function(*args)
+        n_args = len(args_and_params) - n_params
+        return _forward(
+            ctx,
+            run_function,
+            preserve,
+            args_and_params[:n_args],
+            anchor is not None,
+            args_and_params[n_args:],
+        )
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        if not ctx.n_params and not torch.autograd._is_checkpoint_valid():
-            raise RuntimeError(_BACKWARD_INPUTS_MSG)
-        inputs = list(ctx.inputs)
-        for idx, t in zip(ctx.tensor_indices, ctx.saved_tensors):
-            inputs[idx] = t
-        token = ctx.state.enter()
-        c_tok = _config._checkpointing.set(_config._checkpointing.get() + 1)
-        r_tok = _config._recomputing.set(_config._recomputing.get() + 1)
-        try:
-            detached = detach_variable(tuple(inputs))
-            for x, d in zip(inputs, detached):
-                if isinstance(d, torch.Tensor) and d.requires_grad:
-                    d._remat_source = x  # type: ignore[attr-defined]  # see _reaches_leaf
-            with torch.enable_grad():
-                outputs = ctx.run_function(*detached)
-        finally:
-            _config._recomputing.reset(r_tok)
-            _config._checkpointing.reset(c_tok)
-            ctx.state.exit(token)
-        if isinstance(outputs, torch.Tensor):
-            outputs = (outputs,)
-        outs, out_grads = [], []
-        for o, g in zip(outputs, grads):
-            if isinstance(o, torch.Tensor) and o.requires_grad:
-                outs.append(o)
-                out_grads.append(g)
-        if not outs and not ctx.anchored and not ctx.n_params and _reaches_leaf(inputs):
-            raise RuntimeError(
-                "remat.checkpoint: none of the outputs of the checkpointed function requires "
-                "grad in recompute, so this checkpoint() is not necessary. Remove it, or "
-                "check that the function uses its inputs or parameters."
-            )
-        if ctx.n_params:
-            # Known parameters: their gradients go out through the outer graph (so DDP and
-            # friends see each parameter used once), not into .grad by a nested backward.
-            wanted = [x for x in detached if isinstance(x, torch.Tensor) and x.requires_grad]
-            wanted += [p for p in ctx.params if p.requires_grad]
-            # Leaves the region reads but does not own (a weight tied to another module's):
-            # they get their gradients from a nested backward, as without the parameters.
-            foreign = _foreign_leaves(outs, wanted) if outs else []
-            got = iter(
-                torch.autograd.grad(
-                    outs, wanted, out_grads, allow_unused=True, retain_graph=bool(foreign)
-                )
-                if outs and wanted
-                else [None] * len(wanted)
-            )
-            if foreign:
-                torch.autograd.backward(outs, out_grads, inputs=foreign)
-            input_grads = tuple(
-                next(got) if isinstance(x, torch.Tensor) and x.requires_grad else None
-                for x in detached
-            )
-            param_grads = tuple(next(got) if p.requires_grad else None for p in ctx.params)
-            return (None, None, None, None) + input_grads + param_grads
-        if outs:
-            torch.autograd.backward(outs, out_grads)
-        input_grads = tuple(x.grad if isinstance(x, torch.Tensor) else None for x in detached)
-        return (None, None, None, None) + input_grads
+        return (None, None, None, None) + _backward(ctx, grads)
 
 
 def _reaches_leaf(inputs: list[Any]) -> bool:
@@ -252,10 +313,4 @@ def run_reentrant(
     if not params and not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
         anchor = torch.empty(0, requires_grad=True)
         anchor._remat_anchor = True  # type: ignore[attr-defined]  # see _reaches_leaf
-    c_tok = _config._checkpointing.set(_config._checkpointing.get() + 1)
-    try:
-        return _ReentrantCheckpoint.apply(
-            fn, preserve_rng_state, anchor, len(params), *args, *params
-        )
-    finally:
-        _config._checkpointing.reset(c_tok)
+    return _ReentrantCheckpoint.apply(fn, preserve_rng_state, anchor, len(params), *args, *params)

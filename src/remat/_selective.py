@@ -61,7 +61,11 @@ from .policies import CheckpointPolicy, OpPolicy
 
 _SAVE = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
 _OFFLOAD = (CheckpointPolicy.MUST_CPU_OFFLOAD, CheckpointPolicy.PREFER_CPU_OFFLOAD)
-_IGNORED = frozenset(_tuc.SAC_IGNORED_OPS)
+#: Operators selective checkpointing neither asks the policy about nor stores: torch's own
+#: set (the same object, so an op added to either is ignored by both).
+SAC_IGNORED_OPS: set[Any] = getattr(
+    _tuc, "SAC_IGNORED_OPS", {torch.ops.aten.detach.default, torch.ops.prim.device.default}
+)
 _SEEDED = torch.Tag.nondeterministic_seeded
 
 
@@ -124,6 +128,13 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
         return t.detach()
 
 
+_MUTATION_FLAG = (
+    "allow_cache_entry_mutation=True silences this check but does not make it safe: the "
+    "recompute is then served the changed values, and gradients computed from them are wrong "
+    "(as in torch); use it only when backward does not depend on the change."
+)
+
+
 class _Saved:
     __slots__ = ("value", "versions", "rng")
 
@@ -149,11 +160,11 @@ class _Saved:
     def _one(v: torch.Tensor, version: int, func: Any, allow_mutation: bool) -> torch.Tensor:
         if not allow_mutation and v._version != version:
             raise CheckpointError(
-                f"selective checkpointing: the output of {func} that the policy saved was "
-                f"modified in place after it was saved (version {version} -> {v._version}), so "
-                "recompute would read changed values. Make the in-place op out-of-place "
-                "(e.g. x = x.relu() instead of x.relu_()), have the policy recompute this op, "
-                "or pass allow_cache_entry_mutation=True if the change is intended."
+                "selective checkpointing: Tensor cached during selective activation checkpoint "
+                f"has been mutated: the output of {func} that the policy saved was modified in "
+                f"place after it was saved (version {version} -> {v._version}), so recompute "
+                "would read changed values. Make the in-place op out-of-place (e.g. x = x.relu() "
+                f"instead of x.relu_()) or have the policy recompute this op. {_MUTATION_FLAG}"
             )
         return _alias(v)
 
@@ -231,12 +242,12 @@ class _Offloaded:
                 # kept on the host as it is: a change after the region would be served
                 if not allow_mutation and v._version != self.versions[i]:
                     raise CheckpointError(
-                        f"selective checkpointing: the output of {func} that the policy "
+                        "selective checkpointing: Tensor cached during selective activation "
+                        f"checkpoint has been mutated: the output of {func} that the policy "
                         f"offloaded was modified in place after its region (version "
                         f"{self.versions[i]} -> {v._version}), so recompute would read changed "
-                        "values. Make the in-place op out-of-place, have the policy recompute "
-                        "this op, or pass allow_cache_entry_mutation=True if the change is "
-                        "intended."
+                        "values. Make the in-place op out-of-place or have the policy "
+                        f"recompute this op. {_MUTATION_FLAG}"
                     )
                 # a clone made before a change inside the region must stay as it is: the
                 # recompute changes what it is served again
@@ -324,7 +335,7 @@ class _SaveMode(TorchDispatchMode):
         if self.offloaded and _writes_input(func):
             self._protect(func, args, kwargs)
         out = func(*args, **kwargs)
-        if func in _IGNORED:
+        if func in SAC_IGNORED_OPS:
             return out
         entries = self.store.entries.get(func)
         if entries is None:
@@ -401,14 +412,16 @@ class _ServeMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func in _IGNORED:
+        if func in SAC_IGNORED_OPS:
             return func(*args, **kwargs)
         i = self.counts.get(func, 0)
         self.counts[func] = i + 1
         entries = self.store.entries.get(func)
         if entries is None or i >= len(entries):
+            where = "" if entries is None else f" invocation index {i}"
             raise CheckpointError(
-                f"selective checkpointing: {func} ran {i + 1} time(s) in recompute but "
+                f"selective checkpointing: {func}{where} encountered during backward but not "
+                f"found in storage: it ran {i + 1} time(s) in recompute but "
                 f"{0 if entries is None else len(entries)} time(s) in forward. The region must "
                 "run the same operators in recompute; check for code that depends on global "
                 "state changed between forward and backward."
@@ -429,9 +442,10 @@ class _ServeMode(TorchDispatchMode):
             return func(*args, **kwargs)
         if entry is _CONSUMED:
             raise CheckpointError(
-                f"selective checkpointing: the saved output of {func} was already used by an "
-                "earlier backward that did not retain the graph. Pass retain_graph=True to the "
-                "first backward to run backward over this region twice."
+                "selective checkpointing: Trying to backward an extra time over a region "
+                f"computed under selective activation checkpoint: the saved output of {func} "
+                "was already used by an earlier backward that did not retain the graph. remat "
+                "allows a second backward when the first one passes retain_graph=True."
             )
         out = entry.get(func, self.allow_mutation)
         if self.consume:
@@ -439,6 +453,21 @@ class _ServeMode(TorchDispatchMode):
         if entry.rng is not None:
             _set_rng(entry.rng)
         return out
+
+
+def _check_ops(ops: Any) -> None:
+    for op in ops:
+        if not isinstance(op, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
+            hint = (
+                f" Please update the OpOverloadPacket to a specific OpOverload: use {op}.default "
+                f"(or another overload) instead of {op}."
+                if isinstance(op, torch._ops.OpOverloadPacket)
+                else " Use ATen overloads such as torch.ops.aten.mm.default."
+            )
+            raise ValueError(
+                "create_selective_checkpoint_contexts: Expected op in `op_list` to be an "
+                f"OpOverload but got: {op!r} of type {type(op).__name__}.{hint}"
+            )
 
 
 def create_selective_checkpoint_contexts(
@@ -456,10 +485,18 @@ def create_selective_checkpoint_contexts(
             ``ctx.is_recompute=True`` and must answer the same; use
             ``ctx.index`` (calls of this op so far in this run) to count ops.
         allow_cache_entry_mutation: allow in-place changes of saved outputs
-            (by default they raise :class:`CheckpointError` in recompute).
+            (by default they raise :class:`CheckpointError` in recompute). As in
+            torch, the recompute is then served the changed values: gradients
+            that depend on them are wrong, so pass ``True`` only when backward
+            does not (the change is undone, or only shapes are read).
 
     Returns:
         The forward and recompute contexts.
+
+    Raises:
+        ValueError: a listed op is not an ATen overload (torch's message; an
+            ``OpOverloadPacket`` such as ``torch.ops.aten.mm`` names the fix).
+        TypeError: ``policy_fn_or_list`` is neither a function nor a list.
 
     Example:
         >>> import functools, torch, remat
@@ -471,13 +508,16 @@ def create_selective_checkpoint_contexts(
         >>> y.sum().backward()
     """
     if isinstance(policy_fn_or_list, (list, tuple, set, frozenset)):
+        _check_ops(policy_fn_or_list)
         policy: Callable[..., Any] = OpPolicy(policy_fn_or_list)
     elif callable(policy_fn_or_list):
         policy = policy_fn_or_list
     else:
         raise TypeError(
-            "create_selective_checkpoint_contexts: policy_fn_or_list must be a policy function "
-            f"or a list of ATen ops, got {type(policy_fn_or_list).__name__}."
+            "create_selective_checkpoint_contexts: policy_fn_or_list must be either a function "
+            f"or a list of ops. Got {type(policy_fn_or_list).__name__} {policy_fn_or_list!r}; "
+            "pass a policy function (ctx, op, *args, **kwargs) -> CheckpointPolicy, or a list "
+            "such as [torch.ops.aten.mm.default]."
         )
     if torch.compiler.is_compiling():
         torch_policy = policy

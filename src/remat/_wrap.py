@@ -11,30 +11,8 @@ once around the call; the checkpoint runs (and recomputes) the class's
 attribute holds the module only through a weak reference, so wrapping adds
 no reference cycle, and it pickles and deep-copies by pointing at the copy.
 
-Side effects in recompute
--------------------------
-* Buffers (BatchNorm's running statistics, step counters, any buffer the
-  forward changes in place) are cloned when the forward starts. The
-  recompute runs with those values and the buffers are then put back as the
-  forward left them, so after a step every buffer equals the unchecked
-  model's and a forward that reads its own buffers recomputes bitwise. This
-  holds by name too: a forward that assigns a new tensor to a buffer
-  (``self.step = self.step + 1``) recomputes with the buffer it started with.
-* Train/eval flags are recorded when the forward starts and put in place for
-  the recompute, so ``model.eval()`` between forward and backward changes
-  nothing (BatchNorm, dropout). Other Python attributes the forward reads are
-  not recorded: change them only after backward, or the recompute differs
-  (a :class:`CheckpointError` when shapes change, else other gradients).
-* Python objects passed in (a KV cache, lists, dicts, objects) are
-  fingerprinted (their type, length and tensor shapes, a few levels deep)
-  when the forward starts and again around the recompute. If the recompute
-  changes one (a cache append done a second time), a :class:`CheckpointError`
-  names the module and the argument, because the side effect happened twice.
-  If the recompute fails while an argument differs from what the forward
-  started with (the forward appended to a cache it then reads), the error is
-  a :class:`CheckpointError` that says so, chained to the original one.
-  Arguments changed by the caller after the forward, or by a forward that
-  guards its side effect with ``if not remat.is_recomputing():``, are fine.
+Side effects in recompute are guarded by :mod:`remat._region`; the call forms of
+torch's and fairscale's wrappers are mapped to remat's options by :mod:`remat._forms`.
 """
 
 from __future__ import annotations
@@ -47,13 +25,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import _disable_current_modes as _no_modes
 
 from . import _config
 from ._checkpoint import checkpoint
-from ._errors import CheckpointError
+from ._forms import InSet, auto_wrap_targets, name_filter, wrapper_options
 from ._modelinfo import default_blocks
 from ._reentrant import run_reentrant
+from ._region import Region
 
 _ATTR = "_remat_checkpoint"  # the config, kept on the module (picklable)
 # Keywords that checkpoint() takes for itself (a forward's keyword must not reach it).
@@ -77,178 +55,21 @@ class _Options:
     preserve_rng_state: bool = True
     use_reentrant: bool = False
     context_fn: Any = None
-    offload_only: bool = False  # the planner's "offload" decision: no recompute
+    offload_only: bool = False  # offload_wrapper / the planner's "offload": no recompute
+    checkpoint_fn: Any = None  # a custom checkpoint function (torch's wrapper's checkpoint_fn)
+    fn_kwargs: tuple[tuple[str, Any], ...] = ()  # keyword arguments for the checkpoint function
 
-
-def _fingerprint(obj: Any, depth: int = 0) -> Any:
-    """Type, length and tensor shapes of a container, a few levels deep."""
-    if isinstance(obj, torch.Tensor):
-        return ("T", tuple(obj.shape))
-    if depth >= 4 or obj is None or isinstance(obj, (bool, int, float, str, bytes)):
-        return None
-    if isinstance(obj, (list, tuple)):
-        return (type(obj).__name__, len(obj), tuple(_fingerprint(v, depth + 1) for v in obj[:32]))
-    if isinstance(obj, dict):
-        items = list(obj.items())[:32]
-        return ("dict", len(obj), tuple((str(k), _fingerprint(v, depth + 1)) for k, v in items))
-    attrs = getattr(obj, "__dict__", None)
-    if isinstance(attrs, dict) and not isinstance(obj, nn.Module):
-        items = list(attrs.items())[:32]
-        return (type(obj).__name__, tuple((k, _fingerprint(v, depth + 1)) for k, v in items))
-    return None
-
-
-class _Watched:
-    """Python arguments that hold tensors, with their forward-time fingerprints."""
-
-    __slots__ = ("items",)
-
-    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self.items: list[tuple[str, Any, Any]] = []
-        for i, a in enumerate(args):
-            self._add(f"argument {i}", a)
-        for k, v in kwargs.items():
-            self._add(f"argument '{k}'", v)
-
-    def _add(self, label: str, obj: Any) -> None:
-        if isinstance(obj, torch.Tensor):
-            return
-        fp = _fingerprint(obj)
-        if fp is not None:  # a container or an object: it may gain tensors (an empty cache)
-            self.items.append((label, obj, fp))
-
-    def now(self) -> list[Any]:
-        return [_fingerprint(obj) for _, obj, _ in self.items]
-
-    def differing(self, fps: list[Any]) -> list[str]:
-        """The arguments whose fingerprint now differs from ``fps``."""
-        return [
-            f"{label} ({type(obj).__name__})"
-            for (label, obj, _), fp in zip(self.items, fps)
-            if _fingerprint(obj) != fp
+    def describe(self) -> str:
+        """The options that differ from the defaults, as the user would pass them."""
+        if self.offload_only:
+            return "offload_wrapper"
+        parts = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if f.name not in ("offload_only", "fn_kwargs") and getattr(self, f.name) != f.default
         ]
-
-    def at_forward_start(self) -> list[Any]:
-        return [fp for _, _, fp in self.items]
-
-
-_CACHE_TIP = (
-    "Pass use_cache=False while training with checkpointing, or guard the side effect with "
-    "`if not remat.is_recomputing():`."
-)
-
-
-class _Region:
-    """What one wrapped call runs: the class's forward with the side-effect guards."""
-
-    __slots__ = ("module", "forward", "snapshot", "modes", "watched")
-
-    def __init__(
-        self, module: nn.Module, forward: Callable[..., Any], args: Any, kwargs: Any
-    ) -> None:
-        self.module = module
-        self.forward = forward
-        # Buffers by owner and name, with the tensor and a copy of its value: a forward
-        # may change a buffer in place (BatchNorm) or assign a new tensor to its name
-        # (``self.step = self.step + 1``); the recompute must see the buffer as it was.
-        self.snapshot: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] | None = None
-        # Train/eval flags: ``model.eval()`` between forward and backward must not
-        # change what the recompute computes (BatchNorm, dropout).
-        self.modes: list[tuple[nn.Module, bool]] = []
-        snapshot = []
-        copies: dict[int, torch.Tensor] = {}
-        with torch.no_grad():
-            for m in module.modules():
-                self.modes.append((m, m.training))
-                for name, b in m._buffers.items():
-                    if b is not None:
-                        value = copies.get(id(b))
-                        if value is None:
-                            value = copies[id(b)] = b.detach().clone()
-                        snapshot.append((m, name, b, value))
-        if snapshot:
-            self.snapshot = snapshot
-        self.watched = _Watched(args, kwargs)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not _config.is_recomputing():
-            return self.forward(*args, **kwargs)
-        watched = self.watched
-        if not watched.items:
-            return self._recompute(args, kwargs)
-        before = watched.now()
-        name = type(self.module).__name__
-        try:
-            out = self._recompute(args, kwargs)
-        except BaseException as exc:
-            again = watched.differing(before)
-            if again:
-                raise self._again(name, again) from exc
-            since = watched.differing(watched.at_forward_start())
-            if since and isinstance(exc, Exception) and not _is_stop(exc):
-                raise CheckpointError(
-                    f"remat.checkpoint_wrapper: {name}'s recompute failed while "
-                    f"{', '.join(since)} differed from what its forward started with: the "
-                    "forward changed it (for example a KV cache append) and the recompute read "
-                    f"the changed value. {_CACHE_TIP}"
-                ) from exc
-            raise
-        again = watched.differing(before)
-        if again:
-            raise self._again(name, again)
-        return out
-
-    @staticmethod
-    def _again(name: str, changed: list[str]) -> CheckpointError:
-        return CheckpointError(
-            f"remat.checkpoint_wrapper: {name}'s recompute changed {', '.join(changed)} again "
-            "after its forward had changed it: a side effect of the forward (for example a KV "
-            f"cache append) ran twice. {_CACHE_TIP}"
-        )
-
-    def _recompute(self, args: Any, kwargs: Any) -> Any:
-        modes_now = [(m, m.training) for m, _ in self.modes]
-        changed_modes = any(was != now for (_, was), (_, now) in zip(self.modes, modes_now))
-        if self.snapshot is None and not changed_modes:
-            return self.forward(*args, **kwargs)
-        # Outside any dispatch mode: selective checkpointing must not see these copies.
-        # Through .data: putting a value back must not bump the version counter, or the
-        # recompute's own saved buffers (batch_norm saves running stats) would look modified.
-        after: list[tuple[nn.Module, str, Any]] = []
-        values: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        with torch.no_grad(), _no_modes():
-            for m, name, _, _ in self.snapshot or ():
-                if name not in m._buffers:
-                    continue  # the forward deleted it: leave it deleted
-                now = m._buffers[name]
-                after.append((m, name, now))
-                if now is not None and id(now) not in values:
-                    values[id(now)] = (now, now.detach().clone())
-            for m, name, b, before in self.snapshot or ():
-                if name in m._buffers:
-                    m._buffers[name] = b
-                    b.data.copy_(before)
-            if changed_modes:
-                for m, mode in self.modes:
-                    m.training = mode
-        try:
-            return self.forward(*args, **kwargs)
-        finally:
-            with torch.no_grad(), _no_modes():
-                for m, name, now in after:
-                    m._buffers[name] = now
-                for now, value in values.values():
-                    now.data.copy_(value)
-                if changed_modes:
-                    for m, mode in modes_now:
-                        m.training = mode
-
-
-def _is_stop(exc: BaseException) -> bool:
-    """The engine's own early-stop signal, which is not a failure."""
-    from ._nonreentrant import _StopRecompute
-
-    return isinstance(exc, _StopRecompute)
+        parts += [f"{k}={v!r}" for k, v in self.fn_kwargs]
+        return ", ".join(parts) or "default options"
 
 
 class _KeywordsAsPositional:
@@ -290,11 +111,15 @@ class _CheckpointedForward:
             if clash:  # the forward's own keywords named like checkpoint's options
                 forward = functools.partial(forward, **{k: kwargs[k] for k in clash})
                 kwargs = {k: v for k, v in kwargs.items() if k not in clash}
+            if opts.checkpoint_fn is not None:
+                packed = _KeywordsAsPositional(forward, len(args), tuple(kwargs))
+                return opts.checkpoint_fn(packed, *args, *kwargs.values(), **dict(opts.fn_kwargs))
             return checkpoint(
                 forward,
                 *args,
                 use_reentrant=opts.use_reentrant,
                 preserve_rng_state=opts.preserve_rng_state,
+                **dict(opts.fn_kwargs),
                 **kwargs,
             )
         if not torch.is_grad_enabled() or _config._disabled.get():
@@ -304,13 +129,13 @@ class _CheckpointedForward:
 
             with offload():
                 return forward(*args, **kwargs)
-        region = _Region(module, forward, args, kwargs)
+        region = Region(module, forward, args, kwargs)
         context_fn = opts.context_fn
         if opts.policy is not None:
             from ._selective import create_selective_checkpoint_contexts
 
             context_fn = functools.partial(create_selective_checkpoint_contexts, opts.policy)
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = dict(opts.fn_kwargs) if opts.fn_kwargs else {}
         if context_fn is not None:
             extra["context_fn"] = context_fn
         fn: Callable[..., Any] = region
@@ -339,6 +164,10 @@ class _CheckpointedForward:
         kwargs: dict[str, Any],
         extra: dict[str, Any],
     ) -> Any:
+        if opts.checkpoint_fn is not None:
+            # torch's wrapper: checkpoint_fn(function, *args, **checkpoint_fn_kwargs); the
+            # forward's keywords arrive positionally, which every checkpoint function takes.
+            return opts.checkpoint_fn(fn, *args, **extra, **kwargs)
         if opts.use_reentrant:
             # The module's parameters are known: hand them to the reentrant region so their
             # gradients flow through the outer graph (DDP sees each one once).
@@ -387,6 +216,9 @@ class _ExtraRepr:
             tags.append("offload_to_cpu")
         if opts.use_reentrant:
             tags.append("reentrant")
+        if opts.checkpoint_fn is not None:
+            fn = opts.checkpoint_fn
+            tags.append(f"checkpoint_fn={getattr(fn, '__qualname__', type(fn).__name__)}")
         note = "[remat: " + ", ".join(tags) + "]"
         return f"{base}, {note}" if base else note
 
@@ -401,12 +233,18 @@ def is_wrapped(module: nn.Module) -> bool:
 
 def checkpoint_wrapper(
     module: nn.Module,
+    offload_or_impl: Any = None,
+    fn: Callable[..., Any] | None = None,
+    /,
     *,
     policy: Any = None,
     offload_to_cpu: bool = False,
     preserve_rng_state: bool = True,
-    use_reentrant: bool = False,
+    use_reentrant: bool | None = None,
     context_fn: Any = None,
+    checkpoint_impl: Any = None,
+    checkpoint_fn: Callable[..., Any] | None = None,
+    **checkpoint_fn_kwargs: Any,
 ) -> nn.Module:
     """Checkpoint every later call of ``module``, in place; returns the same module.
 
@@ -419,18 +257,51 @@ def checkpoint_wrapper(
     Wrapping again with the same options does nothing; with other options it
     raises (call :func:`unwrap` first).
 
+    The call forms of fairscale's and torch's wrappers work too:
+    ``checkpoint_wrapper(module, True)`` (fairscale's ``offload_to_cpu``),
+    ``checkpoint_wrapper(module, CheckpointImpl.REENTRANT, fn)`` and the
+    keywords ``checkpoint_impl=``, ``checkpoint_fn=`` and
+    ``**checkpoint_fn_kwargs`` of torch's distributed wrapper, with torch's
+    ``CheckpointImpl`` or :class:`remat.CheckpointImpl`.
+
     Args:
         module: the module to checkpoint (changed in place).
+        offload_or_impl: positional only: fairscale's ``offload_to_cpu`` (a
+            bool) or torch's ``checkpoint_impl``.
+        fn: positional only, after ``checkpoint_impl``: torch's ``checkpoint_fn``
+            (a bool there is older torch's ``offload_to_cpu``).
         policy: selective checkpointing: a :class:`CheckpointPolicy`-returning
             function or a list of ATen ops to save (see
             :func:`create_selective_checkpoint_contexts`).
         offload_to_cpu: also keep the region's inputs in host memory until backward.
         preserve_rng_state: as in :func:`checkpoint`.
         use_reentrant: as in :func:`checkpoint`; keyword arguments still work.
+            ``None`` (not given) means ``False`` unless ``checkpoint_impl`` says
+            ``REENTRANT``.
         context_fn: as in :func:`checkpoint` (not together with ``policy``).
+        checkpoint_impl: torch's spelling of ``use_reentrant``:
+            ``CheckpointImpl.REENTRANT`` or ``NO_REENTRANT``.
+        checkpoint_fn: the checkpoint function to call, as in torch's wrapper:
+            ``checkpoint_fn(function, *args, **checkpoint_fn_kwargs)``, the
+            forward's keyword arguments passed positionally. torch's and
+            remat's ``checkpoint`` (or a ``functools.partial`` of either) run
+            remat's checkpoint with the partial's options; any other function
+            gets the keywords given here (``preserve_rng_state`` only when
+            ``False``) and replaces remat's engine.
+        **checkpoint_fn_kwargs: options of :func:`checkpoint`
+            (``determinism_check``, ``debug``, ``early_stop``), or anything a
+            custom ``checkpoint_fn`` takes.
 
     Returns:
         ``module`` itself.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``; an argument of the
+            wrong kind, given twice, or a keyword remat's checkpoint does not take.
+        ValueError: options that contradict each other (``policy`` with
+            ``context_fn``, ``use_reentrant`` against ``checkpoint_impl``,
+            ``policy``/``context_fn``/``debug`` with the reentrant variant), or
+            other options for a module wrapped before.
 
     Example:
         >>> import torch, remat
@@ -440,6 +311,8 @@ def checkpoint_wrapper(
         >>> block
         Linear(in_features=8, out_features=8, bias=True, [remat: checkpointed])
         >>> block(torch.randn(2, 8, requires_grad=True)).sum().backward()
+        >>> remat.checkpoint_wrapper(torch.nn.Linear(2, 2), True)  # fairscale's form
+        Linear(in_features=2, out_features=2, bias=True, [remat: checkpointed, offload_to_cpu])
     """
     if not isinstance(module, nn.Module):
         raise TypeError(
@@ -450,27 +323,79 @@ def checkpoint_wrapper(
             "checkpoint_wrapper: pass either policy (selective checkpointing) or context_fn, not "
             "both; a policy is turned into a context_fn by remat."
         )
-    if use_reentrant and (policy is not None or context_fn is not None):
-        raise ValueError(
-            "checkpoint_wrapper: policy and context_fn need use_reentrant=False (selective "
-            "checkpointing runs on the saved-tensor hooks of the non-reentrant variant)."
-        )
     if policy is not None and not (callable(policy) or isinstance(policy, (list, tuple))):
         raise TypeError(
             f"checkpoint_wrapper: policy must be a policy function or a list of ATen ops, got "
             f"{type(policy).__name__}."
         )
+    if context_fn is not None and not callable(context_fn):
+        raise TypeError(
+            "checkpoint_wrapper: context_fn must be a function returning two context managers, "
+            f"got {type(context_fn).__name__}; for selective checkpointing pass policy=... instead."
+        )
     opts = _Options(
-        policy, bool(offload_to_cpu), bool(preserve_rng_state), bool(use_reentrant), context_fn
+        **wrapper_options(
+            offload_or_impl,
+            fn,
+            policy=policy,
+            offload_to_cpu=offload_to_cpu,
+            preserve_rng_state=preserve_rng_state,
+            use_reentrant=use_reentrant,
+            context_fn=context_fn,
+            checkpoint_impl=checkpoint_impl,
+            checkpoint_fn=checkpoint_fn,
+            extra=checkpoint_fn_kwargs,
+        )
     )
     if is_wrapped(module):
-        if getattr(module, _ATTR) == opts:
+        now: _Options = getattr(module, _ATTR)
+        if now == opts:
             return module
         raise ValueError(
             f"checkpoint_wrapper: {type(module).__name__} is already wrapped with other options "
-            f"({getattr(module, _ATTR)}); call remat.unwrap(module) first to change them."
+            f"({now.describe()}; asked for {opts.describe()}); call remat.unwrap(module) first "
+            "to change them."
         )
     object.__setattr__(module, _ATTR, opts)
+    _install(module, module.__dict__.get("forward"))
+    return module
+
+
+def offload_wrapper(module: nn.Module) -> nn.Module:
+    """Keep the tensors ``module`` saves for backward in host memory, in place; torch's name.
+
+    Nothing is recomputed: every later call runs under :func:`remat.offload`
+    (pinned host buffers, copies on a side stream, prefetched in backward; on
+    CPU-only setups the tensors are kept as they are), so the module keeps its
+    class, names and ``state_dict`` keys. Tensors smaller than 1 KiB stay where
+    they are (torch's ``save_on_cpu`` moves them too). As with torch's
+    wrappers, ``offload_wrapper`` on a module already checkpointed by
+    :func:`checkpoint_wrapper` moves the checkpoint's inputs (all it keeps) to
+    host memory, the same as ``offload_to_cpu=True``. :func:`unwrap` undoes it.
+
+    Args:
+        module: the module whose saved tensors to offload (changed in place).
+
+    Returns:
+        ``module`` itself.
+
+    Example:
+        >>> import torch, remat
+        >>> lin = remat.offload_wrapper(torch.nn.Linear(4, 4))
+        >>> lin
+        Linear(in_features=4, out_features=4, bias=True, [remat: offloaded])
+        >>> lin(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"offload_wrapper: module must be an nn.Module, got {type(module).__name__}."
+        )
+    if is_wrapped(module):
+        opts: _Options = getattr(module, _ATTR)
+        if not opts.offload_only and not opts.offload_to_cpu:
+            object.__setattr__(module, _ATTR, dataclasses.replace(opts, offload_to_cpu=True))
+        return module
+    object.__setattr__(module, _ATTR, _Options(offload_only=True))
     _install(module, module.__dict__.get("forward"))
     return module
 
@@ -534,35 +459,96 @@ def unwrap(module: nn.Module) -> nn.Module:
 
 def apply_activation_checkpointing(
     model: nn.Module,
+    checkpoint_wrapper_fn: Callable[[nn.Module], nn.Module] | None = None,
+    check_fn: Callable[..., Any] | None = None,
+    auto_wrap_policy: Any = None,
     *,
-    check_fn: Callable[[str, nn.Module], bool] | None = None,
     every: int = 1,
     **wrapper_kwargs: Any,
 ) -> list[str]:
     """Wrap, in place, the submodules to checkpoint; return their names.
 
+    The first three options are torch's (same order, so torch's calls work
+    unchanged); the default is remat's: the model's repeated blocks.
+
     Args:
         model: the model (changed in place).
+        checkpoint_wrapper_fn: what wraps each selected module, as in torch:
+            :func:`checkpoint_wrapper` with ``**wrapper_kwargs`` by default;
+            :func:`offload_wrapper`, a ``functools.partial`` of either, or
+            torch's own wrappers (whose result replaces the module in its
+            parent) work too.
         check_fn: ``check_fn(name, module)`` selects the submodules to wrap;
-            default: the children of the model's largest ``nn.ModuleList`` /
+            torch's one-argument ``check_fn(module)`` works too (told apart by
+            its number of required positional parameters). Default: the
+            children of the model's largest ``nn.ModuleList`` /
             ``nn.Sequential`` (its repeated blocks). Submodules of a selected
-            module, or of one wrapped before (an earlier call), are not wrapped.
+            module, or of one wrapped before (an earlier call), are not wrapped
+            (torch wraps them as well, nesting checkpoints; the gradients are
+            the same).
+        auto_wrap_policy: torch's alternative to ``check_fn``: an FSDP-style
+            policy ``policy(module, recurse, nonwrapped_numel)`` (for example
+            ``functools.partial(transformer_auto_wrap_policy, ...)``) or a
+            policy object such as ``ModuleWrapPolicy({Block})``; the modules it
+            selects are wrapped (the outermost ones, as for ``check_fn``).
         every: wrap every ``every``-th selected module (the 1st, the
             ``every+1``-th, ...).
-        **wrapper_kwargs: options of :func:`checkpoint_wrapper`.
+        **wrapper_kwargs: options of :func:`checkpoint_wrapper` (not with
+            ``checkpoint_wrapper_fn``).
+
+    Returns:
+        The names of the wrapped submodules (torch's returns ``None``).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, or an option is not callable.
+        ValueError: ``every`` < 1, ``check_fn`` together with
+            ``auto_wrap_policy``, or ``checkpoint_wrapper_fn`` together with
+            ``**wrapper_kwargs``.
 
     Example:
         >>> import torch, remat
         >>> model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])
         >>> remat.apply_activation_checkpointing(model, every=2)
         ['0', '2']
+        >>> other = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+        >>> remat.apply_activation_checkpointing(  # torch's form
+        ...     other, check_fn=lambda m: isinstance(m, torch.nn.Linear))
+        ['0']
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"apply_activation_checkpointing: model must be an nn.Module, got "
+            f"{type(model).__name__}. Pass the model whose submodules to checkpoint "
+            "(remat.checkpoint_wrapper wraps a single module)."
+        )
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(
             f"apply_activation_checkpointing: every must be an int >= 1, got {every!r}. "
             "Pass 2 to checkpoint every second block."
         )
-    if check_fn is None:
+    if checkpoint_wrapper_fn is not None:
+        if not callable(checkpoint_wrapper_fn):
+            raise TypeError(
+                "apply_activation_checkpointing: checkpoint_wrapper_fn must be a function that "
+                f"wraps a module, got {type(checkpoint_wrapper_fn).__name__}."
+            )
+        if wrapper_kwargs:
+            raise ValueError(
+                "apply_activation_checkpointing: pass the wrapper's options either in "
+                "checkpoint_wrapper_fn (functools.partial(remat.checkpoint_wrapper, ...)) or as "
+                f"keywords ({', '.join(wrapper_kwargs)}), not both."
+            )
+    if check_fn is not None and auto_wrap_policy is not None:
+        raise ValueError(
+            "apply_activation_checkpointing: pass check_fn or auto_wrap_policy, not both "
+            "(torch would silently ignore check_fn)."
+        )
+    select: Callable[[str, nn.Module], Any] | None = None
+    if auto_wrap_policy is not None:
+        select = InSet(auto_wrap_targets(model, auto_wrap_policy))
+    elif check_fn is not None:
+        select = name_filter(check_fn)
+    if select is None:
         names = default_blocks(model)
     else:
         names = []
@@ -570,14 +556,26 @@ def apply_activation_checkpointing(
         for name, m in model.named_modules():
             if not name or any(name.startswith(p + ".") for p in inside):
                 continue
-            if check_fn(name, m):
+            if select(name, m):
                 names.append(name)
                 inside.append(name)
             elif is_wrapped(m):  # wrapped by an earlier call
                 inside.append(name)
     chosen = names[::every]
     for name in chosen:
-        checkpoint_wrapper(model.get_submodule(name), **wrapper_kwargs)
+        module = model.get_submodule(name)
+        if checkpoint_wrapper_fn is None:
+            checkpoint_wrapper(module, **wrapper_kwargs)
+            continue
+        wrapped = checkpoint_wrapper_fn(module)
+        if wrapped is not module:  # torch's wrappers return a new module: put it in place
+            if not isinstance(wrapped, nn.Module):
+                raise TypeError(
+                    "apply_activation_checkpointing: checkpoint_wrapper_fn must return an "
+                    f"nn.Module, got {type(wrapped).__name__} for {name!r}."
+                )
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, wrapped)
     return chosen
 
 
