@@ -592,3 +592,16 @@ def apply_activation_checkpointing(
     for name in chosen:
         checkpoint_wrapper(model.get_submodule(name), **wrapper_kwargs)
     return chosen
+
+
+def guarded_forward(
+    module: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Callable[..., Any]:
+    """``forward`` of ``module`` with the wrapper's side-effect guards, for one call.
+
+    Made when the forward starts (it records buffers, train flags and Python
+    arguments then); called again in recompute it runs with the buffers and
+    flags the forward started with (see the module docstring). Used by
+    :mod:`remat._spans` for the blocks of a span.
+    """
+    return _Region(module, forward, args, kwargs)
