@@ -697,3 +697,14 @@ def test_functional_between_children_stays_in_the_block():
     model = make()
     apply_span(model, ["0", "1", "2"], inner="split")
     assert_equal(step(make()), step(model))
+
+
+def test_module_hooks_of_span_blocks_run_once_per_call_not_in_recompute():
+    model = MLPChain(n=3)
+    calls = {"pre": 0, "post": 0}
+    for layer in model.layers:
+        layer.register_forward_pre_hook(lambda m, a: calls.__setitem__("pre", calls["pre"] + 1))
+        layer.register_forward_hook(lambda m, a, o: calls.__setitem__("post", calls["post"] + 1))
+    apply_span(model, ["layers.0", "layers.1", "layers.2"], inner="recompute")
+    model(torch.randn(4, 16, requires_grad=True)).sum().backward()
+    assert calls == {"pre": 3, "post": 3}

@@ -52,9 +52,10 @@ over the whole span), ``inner="selective"`` runs each with a selective
 policy, ``inner="split"`` checkpoints each block and splits it.
 
 Region-input offload (``offload_inputs=True``, device only) keeps the span's
-input (its first block's tensor arguments that require grad) in pinned host
-memory through the offload engine's shared stash, so backward prefetches the
-previous span's input while it recomputes this one.
+input (the tensors among its first block's positional arguments; keyword
+arguments such as masks, shared by every block, stay) in pinned host memory
+through the offload engine's shared stash, so backward prefetches the
+previous spans' inputs while it recomputes this one.
 
 What makes a chain, and what is refused
 ---------------------------------------
@@ -77,13 +78,24 @@ forward that shows it, when
   last block (an early exit): raised from backward;
 * the span runs under ``torch.compile`` (spans are eager only).
 
+The planner's calls
+-------------------
+``apply_span(model, names, inner=..., policy=..., offload_inputs=...)`` and
+``remove_span(model, name)``; ``split_block(model, name, children=None)`` and
+``unsplit_block(model, name)``; ``spans_in(model)`` and ``span_of(module)``
+to read back what is applied. All change the model in place and keep its
+names and ``state_dict`` keys; wrapping a span's block with
+:func:`remat.checkpoint_wrapper` is not supported (remove the span first).
+
 Limits: the check for outputs kept elsewhere cannot see the output of the
 second-to-last block (it is the last block's argument while the span ends);
 kept elsewhere it stays alive, gradients are still right. Gradients are
 always those of the plain model: the autograd graph is the model's own, only
 what it saves is recomputed. Spans run the non-reentrant engine only; the
-determinism check is the default one (shapes, dtypes, devices). A span does
-not support ``nn.DataParallel`` (use DDP).
+determinism check is the default one (shapes, dtypes, devices) and
+operator traces (``set_checkpoint_debug_enabled(True)``) are recorded for
+the blocks' own checkpoints inside a span, not for the span itself. A span does not support
+``nn.DataParallel`` (use DDP).
 """
 
 from __future__ import annotations
@@ -163,10 +175,12 @@ class _Run:
         opts = self.opts
         names = opts.names
         tensors: list[torch.Tensor] = []
-        tensors_in((args, kwargs), tensors)
+        tensors_in(args, tensors)
+        positional = len(tensors)
+        tensors_in(kwargs, tensors)
         piece_sources: list[int] = []
         linked = False
-        for t in tensors:
+        for n, t in enumerate(tensors):
             j = self._link(t)
             if j is not None:
                 if t._version != self.prev_versions[j]:
@@ -192,7 +206,7 @@ class _Run:
                     f"output to the next. End the span before {names[old[0] + 1]} or "
                     "checkpoint these blocks one by one."
                 )
-            offload = i == 0 and opts.offload_inputs and t.requires_grad
+            offload = i == 0 and opts.offload_inputs and n < positional
             piece_sources.append(self._keep(t, offload))
         if i > 0 and not linked:
             raise PlanError(
@@ -269,7 +283,7 @@ class _Run:
             preserve_rng_state=opts.preserve_rng_state,
             context_fn=context_fn,
             determinism_check="default",
-            debug=False,
+            debug=bool(_config._debug.get()),
             early_stop=_config._early_stop.get() is not False,
             state=piece.state,
         )
