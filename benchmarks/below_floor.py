@@ -36,7 +36,8 @@ import torch
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import remat
-from remat._spans import apply_span, split_block
+from remat._spans import apply_span
+from remat._split import split_block
 from remat.bench.models import ModelConfig, build, example_input
 
 

@@ -7,6 +7,7 @@ checkpointing from the same RNG state, dropout on.
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import io
 import pickle
@@ -25,9 +26,8 @@ from remat._spans import (
     remove_span,
     span_of,
     spans_in,
-    split_block,
-    unsplit_block,
 )
+from remat._split import split_block, unsplit_block
 
 INNERS = ["keep", "recompute", "split", "selective"]
 
@@ -665,7 +665,7 @@ def test_split_block_rejects_leaf_children_unknown_and_repeated_splits():
     with pytest.raises(remat.PlanError, match="already split"):
         split_block(gpt, "layers.0")
     remat.checkpoint_wrapper(gpt.layers[1].mlp)
-    with pytest.raises(remat.PlanError, match="already checkpointed"):
+    with pytest.raises(remat.PlanError, match="already checkpointed; unwrap it first"):
         split_block(gpt, "layers.1")
     assert not remat._wrap.is_wrapped(gpt.layers[1].attn)  # nothing half done
     with pytest.raises(remat.PlanError, match="no composite children"):
@@ -708,3 +708,35 @@ def test_module_hooks_of_span_blocks_run_once_per_call_not_in_recompute():
     apply_span(model, ["layers.0", "layers.1", "layers.2"], inner="recompute")
     model(torch.randn(4, 16, requires_grad=True)).sum().backward()
     assert calls == {"pre": 3, "post": 3}
+
+
+@pytest.mark.parametrize(
+    "middle",
+    [
+        nn.Identity,  # returns its input: the next block gets the tensor two blocks made
+        functools.partial(nn.Unflatten, 1, (4, 4)),  # returns a view of its input
+    ],
+)
+def test_blocks_returning_their_input_or_a_view_of_it_are_a_chain(middle):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.layers = nn.ModuleList(
+                [nn.Linear(16, 16), nn.Tanh(), middle(), nn.Flatten(1), nn.Linear(16, 16)]
+            )
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x.square().sum()
+
+    def step(model):
+        torch.manual_seed(0)
+        x = torch.randn(4, 16, requires_grad=True)
+        model(x).backward()
+        return grads(model, x)
+
+    model = Net()
+    apply_span(model, [f"layers.{i}" for i in range(5)], inner="recompute")
+    assert_equal(step(Net()), step(model))

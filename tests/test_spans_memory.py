@@ -17,7 +17,8 @@ from spanmodels import GPT, MLPChain, assert_equal, gpt_step, grads
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import remat
-from remat._spans import apply_span, split_block
+from remat._spans import apply_span
+from remat._split import split_block
 
 ROWS, D = 256, 16
 UNIT = ROWS * D * 4  # bytes of one block input of MLPChain

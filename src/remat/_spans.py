@@ -81,9 +81,9 @@ forward that shows it, when
 The planner's calls
 -------------------
 ``apply_span(model, names, inner=..., policy=..., offload_inputs=...)`` and
-``remove_span(model, name)``; ``split_block(model, name, children=None)`` and
-``unsplit_block(model, name)``; ``spans_in(model)`` and ``span_of(module)``
-to read back what is applied. All change the model in place and keep its
+``remove_span(model, name)``; ``split_block(model, name, children=None)``
+and ``unsplit_block(model, name)`` (in :mod:`remat._split`); ``spans_in(model)``
+and ``span_of(module)`` to read back what is applied. All change the model in place and keep its
 names and ``state_dict`` keys; wrapping a span's block with
 :func:`remat.checkpoint_wrapper` is not supported (remove the span first).
 
@@ -115,12 +115,12 @@ from ._errors import PlanError
 from ._nonreentrant import PiecewiseRegion, SavedInputs, run_nonreentrant
 from ._offload import moves_to_host, offload_shared
 from ._selective import create_selective_checkpoint_contexts
+from ._split import choose_children, is_split, resolve, unsplit_block, wrap_children
 from ._state import ForwardState, generators_in
 from ._tree import SLOT, replace_tensors, tensors_in
-from ._wrap import checkpoint_wrapper, guarded_forward, is_wrapped, unwrap
+from ._wrap import guarded_forward, is_wrapped
 
 INNER = ("keep", "recompute", "selective", "split")
-_SPLIT_ATTR = "_remat_split"  # the children a split wrapped, kept on the block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,8 +193,9 @@ class _Run:
                         "by one."
                     )
                 piece_sources.append(-(j + 1))
-                if not any(r() is t for _, r in self.carriers):
-                    self.carriers.append((i - 1, weakref.ref(t)))
+                # by the last block that passed it on (a block may return its input)
+                self.carriers = [(b, r) for b, r in self.carriers if r() is not t]
+                self.carriers.append((i - 1, weakref.ref(t)))
                 linked = True
                 continue
             old = self.earlier.get(id(t))
@@ -295,8 +296,11 @@ class _Run:
         self.complete = True
         self.region = None  # the region's frame holds this run: no cycle
         names = self.opts.names
-        for i, r in self.carriers:
-            if i < len(names) - 2 and r() is not None:
+        alive = [(i, t) for i, r in self.carriers if (t := r()) is not None]
+        for i, t in alive:
+            # a later block's output may be a view of it (a reshape): that keeps no more
+            shared = any(_same_storage(t, u) for k, u in alive if k > i)
+            if i < len(names) - 2 and not shared:
                 raise PlanError(
                     f"remat span [{_label(names)}]: the output of {names[i]} is still "
                     f"referenced after {names[i + 1]} used it: something outside the next "
@@ -332,6 +336,13 @@ class _Run:
                 piece.state.exit(token)
             prev = []
             tensors_in(out, prev)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # no storage (a tensor subclass)
+        return False
 
 
 class _Span:
@@ -474,21 +485,6 @@ def span_of(module: nn.Module) -> tuple[str, ...] | None:
     return fwd.span.opts.names if isinstance(fwd, _SpanForward) else None
 
 
-def _resolve(model: nn.Module, name: Any, what: str) -> nn.Module:
-    if not isinstance(name, str) or not name:
-        raise PlanError(
-            f"{what}: block names must be non-empty strings (submodule names of the model, as "
-            f"in model.named_modules()), got {name!r}."
-        )
-    try:
-        return model.get_submodule(name)
-    except AttributeError:
-        raise PlanError(
-            f"{what}: the model has no submodule {name!r}. Pass names from "
-            "model.named_modules() (for example 'layers.0')."
-        ) from None
-
-
 def apply_span(
     model: nn.Module,
     names: Sequence[str],
@@ -512,7 +508,7 @@ def apply_span(
             also checkpointed: backward holds the span's block inputs and one
             block's activations), ``"keep"`` (plain: one checkpoint over the
             span), ``"selective"`` (each block with ``policy``), ``"split"``
-            (each block checkpointed and split, see :func:`split_block`).
+            (each block checkpointed and split, see :func:`remat._split.split_block`).
         policy: the selective policy for ``inner="selective"`` (a
             :class:`~remat.CheckpointPolicy`-returning function or an op list).
         offload_inputs: keep the span's input in pinned host memory until
@@ -548,7 +544,7 @@ def apply_span(
         )
     if len(set(names)) != len(names):
         raise PlanError(f"{what}: a block is named twice in {list(names)}.")
-    blocks = [_resolve(model, n, what) for n in names]
+    blocks = [resolve(model, n, what) for n in names]
     for a, (na, ma) in enumerate(zip(names, blocks)):
         for nb, mb in zip(names[a + 1 :], blocks[a + 1 :]):
             if ma is mb:
@@ -578,10 +574,10 @@ def apply_span(
     split: list[tuple[str, nn.Module, list[str]]] = []
     if inner == "split":  # choose (and validate) every block's children before wrapping any
         for n, m in zip(names, blocks):
-            if m.__dict__.get(_SPLIT_ATTR) is None:
-                split.append((n, m, _children(m, n, None)))
+            if not is_split(m):
+                split.append((n, m, choose_children(m, n, None)))
         for n, m, chosen in split:
-            _wrap_children(m, n, chosen)
+            wrap_children(m, n, chosen)
     opts = _Options(
         names,
         inner,
@@ -603,7 +599,7 @@ def remove_span(model: nn.Module, name: str) -> list[str]:
 
     Blocks that ``inner="split"`` split are unsplit.
     """
-    block = _resolve(model, name, "remove_span")
+    block = resolve(model, name, "remove_span")
     fwd = block.__dict__.get("forward")
     if not isinstance(fwd, _SpanForward):
         raise PlanError(f"remove_span: {name!r} is not a block of a span.")
@@ -630,84 +626,3 @@ def spans_in(model: nn.Module) -> list[tuple[str, ...]]:
         if isinstance(f, _SpanForward) and f.index == 0:
             out.append(f.span.opts.names)
     return out
-
-
-def _children(block: nn.Module, name: str, children: Sequence[str] | None) -> list[str]:
-    """The children of ``block`` to split it into, validated."""
-    kids = dict(block.named_children())
-    if children is None:
-        chosen = [n for n, m in kids.items() if next(m.children(), None) is not None]
-        if not chosen:
-            raise PlanError(
-                f"split_block: {name!r} has no composite children to split into (its children "
-                f"are {sorted(kids) or 'none'}, all single layers, whose regions would keep "
-                "as much as they save). Pass children= to choose them."
-            )
-    else:
-        if isinstance(children, str) or not children:
-            raise PlanError(
-                f"split_block: children must be a non-empty list of child names, got {children!r}."
-            )
-        chosen = list(children)
-        for c in chosen:
-            if c not in kids:
-                raise PlanError(
-                    f"split_block: {name!r} has no child {c!r}; its children are {sorted(kids)}."
-                )
-    for c in chosen:
-        if is_wrapped(kids[c]) or span_of(kids[c]) is not None:
-            raise PlanError(
-                f"split_block: {name}.{c} is already checkpointed or in a span; undo that first."
-            )
-    return chosen
-
-
-def _wrap_children(block: nn.Module, name: str, chosen: list[str]) -> list[str]:
-    for c in chosen:
-        checkpoint_wrapper(block.get_submodule(c))
-    block.__dict__[_SPLIT_ATTR] = tuple(chosen)
-    return [f"{name}.{c}" for c in chosen]
-
-
-def split_block(model: nn.Module, name: str, *, children: Sequence[str] | None = None) -> list[str]:
-    """Make the children of block ``name`` their own checkpointed regions, in place.
-
-    Each chosen child is checkpointed (:func:`remat.checkpoint_wrapper`), so
-    the block keeps its children's inputs and, when recomputed inside an
-    enclosing region (a checkpointed block, a span), holds one child's
-    activations at a time. Code of the block's forward between the children
-    (residual adds, functional activations) is not in any child's region.
-
-    Args:
-        model: the model (changed in place).
-        name: the block's name in ``model``.
-        children: the block's child names to checkpoint; default: its
-            composite children (those that have children: attention, MLP).
-
-    Returns:
-        The full names of the children made regions.
-
-    Example:
-        >>> import torch
-        >>> from remat._spans import split_block, unsplit_block
-        >>> block = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(4, 4)), torch.nn.ReLU())
-        >>> model = torch.nn.Sequential(block)
-        >>> split_block(model, "0")
-        ['0.0']
-        >>> unsplit_block(model, "0")
-        ['0.0']
-    """
-    block = _resolve(model, name, "split_block")
-    done = block.__dict__.get(_SPLIT_ATTR)
-    if done is not None:
-        raise PlanError(f"split_block: {name!r} is already split ({list(done)}); unsplit it first.")
-    return _wrap_children(block, name, _children(block, name, children))
-
-
-def unsplit_block(model: nn.Module, name: str) -> list[str]:
-    """Undo :func:`split_block`; return the full names of the children unwrapped."""
-    block = _resolve(model, name, "unsplit_block")
-    chosen = block.__dict__.pop(_SPLIT_ATTR, ())
-    for c in chosen:
-        unwrap(block.get_submodule(c))
-    return [f"{name}.{c}" for c in chosen]
