@@ -740,3 +740,19 @@ def test_blocks_returning_their_input_or_a_view_of_it_are_a_chain(middle):
     model = Net()
     apply_span(model, [f"layers.{i}" for i in range(5)], inner="recompute")
     assert_equal(step(Net()), step(model))
+
+
+def test_double_backward_through_a_span():
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(3)])
+
+    def grad_penalty(model):
+        x = torch.randn(4, 6, requires_grad=True, generator=torch.Generator().manual_seed(1))
+        (g,) = torch.autograd.grad(model(x).square().sum(), x, create_graph=True)
+        g.square().sum().backward()
+        return grads(model)
+
+    model = make()
+    apply_span(model, ["0", "1", "2"], inner="recompute")
+    assert_equal(grad_penalty(make()), grad_penalty(model))
