@@ -25,6 +25,12 @@ the last holder is filled and the rest of the function never runs.
 
 The frame holds weak references to its holders: a holder dies with its graph
 node, and nothing recomputed for it is stored.
+
+:class:`PiecewiseRegion` is the same frame for a forward its caller runs in
+pieces, with other code between them (a span over several blocks, in
+:mod:`remat._spans`): the hooks are pushed for each piece only, and the
+recompute calls a ``replay`` that reruns the pieces and replays their state
+itself. :class:`SavedInputs` keeps tensors the way a frame keeps its inputs.
 """
 
 from __future__ import annotations
@@ -125,7 +131,7 @@ class _Frame:
         kwargs: dict[str, Any],
         nested: bool,
         tensors: list[torch.Tensor],
-        state: ForwardState,
+        state: ForwardState | None,
         recompute_ctx: Any,
         check: str,
         early_stop: bool,
@@ -238,7 +244,8 @@ class _Frame:
         args, kwargs = self.input_values()
         rec = _RecomputeHook(self, gid)
         log = None
-        token = self.state.enter()
+        state = self.state  # None: the function replays the state itself (PiecewiseRegion)
+        token = state.enter() if state is not None else None
         ctx = self.recompute_ctx
         c_tok = _config._checkpointing.set(_config._checkpointing.get() + 1)
         r_tok = _config._recomputing.set(_config._recomputing.get() + 1)
@@ -264,7 +271,8 @@ class _Frame:
             _pop_hooks()
             _config._recomputing.reset(r_tok)
             _config._checkpointing.reset(c_tok)
-            self.state.exit(token)
+            if state is not None and token is not None:
+                state.exit(token)
         try:
             rec.finish(log)
         except BaseException:
@@ -411,8 +419,13 @@ def run_nonreentrant(
     determinism_check: str,
     debug: bool,
     early_stop: bool,
+    state: ForwardState | None = None,
 ) -> Any:
-    """Run ``fn(*args, **kwargs)`` as a non-reentrant checkpointed region."""
+    """Run ``fn(*args, **kwargs)`` as a non-reentrant checkpointed region.
+
+    ``state``: the forward state to replay, when the caller has just recorded it
+    (a span's block shares one with its own region); by default it is recorded here.
+    """
     nested = bool(kwargs) or has_nested(args)
     tensors: list[torch.Tensor]
     if nested:
@@ -420,13 +433,14 @@ def run_nonreentrant(
         tensors_in((args, kwargs), tensors)
     else:
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    generators: list[torch.Generator] = []
-    if preserve_rng_state:
-        if nested:
-            generators_in((args, kwargs), generators)
-        elif len(tensors) != len(args):  # flat: any generator is a top-level argument
-            generators_in(args, generators)
-    state = ForwardState(tensors, preserve_rng_state, generators)
+    if state is None:
+        generators: list[torch.Generator] = []
+        if preserve_rng_state:
+            if nested:
+                generators_in((args, kwargs), generators)
+            elif len(tensors) != len(args):  # flat: any generator is a top-level argument
+                generators_in(args, generators)
+        state = ForwardState(tensors, preserve_rng_state, generators)
     fwd_ctx: Any = None
     rec_ctx: Any = None
     if context_fn is not None:
@@ -501,6 +515,82 @@ def _name(fn: Any) -> str:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+class SavedInputs:
+    """Tensors kept for a recompute the way a region keeps its inputs.
+
+    Each is kept through an autograd ``SavedTensor`` made under the saved-tensor
+    hooks active when it is added (see the module docstring): an in-place change
+    before backward raises, an enclosing region recomputes it instead of keeping
+    it, and :func:`remat.offload` around :meth:`add` moves it to host memory.
+    """
+
+    __slots__ = ("saved", "versions")
+
+    def __init__(self) -> None:
+        self.saved: list[Any] = []
+        self.versions: list[int] = []  # older torch only: checked by hand
+
+    def add(self, t: torch.Tensor) -> int:
+        """Keep ``t``; return its index in :meth:`values`."""
+        if _make_saved is not None:
+            self.saved.append(_make_saved(t, is_output=False))
+        else:
+            self.saved.append(t)
+            self.versions.append(t._version)
+        return len(self.saved) - 1
+
+    def values(self) -> list[torch.Tensor]:
+        """The kept tensors (raises if one was changed in place since it was added)."""
+        if _make_saved is not None:
+            return [s.unpack() for s in self.saved]
+        for i, (t, v) in enumerate(zip(self.saved, self.versions)):
+            if t._version != v:
+                raise RuntimeError(
+                    f"remat: input {i} of a checkpointed region (shape {tuple(t.shape)}) was "
+                    "modified in place after the forward; its recompute would be wrong. Clone "
+                    "the input before changing it."
+                )
+        return list(self.saved)
+
+
+class PiecewiseRegion:
+    """A non-reentrant region whose forward the caller runs in pieces, other code between.
+
+    What autograd saves inside a piece (between :meth:`enter` and :meth:`exit`)
+    is dropped and recomputed in backward by ``replay()``, with early stop,
+    shape checks and recompute-per-backward as for :func:`checkpoint`. Nothing
+    saved between pieces belongs to the region. ``replay`` must rerun every
+    piece in order and put in place the state (RNG, autocast, buffers) each
+    piece ran under: the region replays none itself. The inputs ``replay``
+    needs are the caller's to keep (:class:`SavedInputs`, added between pieces).
+    A span of blocks (:mod:`remat._spans`) is one such region.
+    """
+
+    __slots__ = ("frame",)
+
+    def __init__(
+        self, replay: Callable[[], Any], *, determinism_check: str = "default", early_stop: bool
+    ) -> None:
+        self.frame = _Frame(
+            replay, (), {}, False, [], None, None, determinism_check, early_stop, False
+        )
+
+    def enter(self) -> Any:
+        """Start a piece; returns the token :meth:`exit` takes."""
+        token = _config._checkpointing.set(_config._checkpointing.get() + 1)
+        _push_hooks(self.frame.pack, self.frame.unpack)
+        return token
+
+    def exit(self, token: Any) -> None:
+        """End the piece started by :meth:`enter` (call it on every exit path)."""
+        _pop_hooks()
+        _config._checkpointing.reset(token)
+
+    def complete(self) -> None:
+        """Mark the forward finished: from now on a recompute must save what it saved."""
+        self.frame.forward_completed = True
 
 
 _NOT_RUN = object()

@@ -556,3 +556,22 @@ def offload(*, pin_memory: bool = True, min_bytes: int = 1024) -> Iterator[Offlo
     hooks = _OffloadHooks(HostStash(pin), min_bytes, stats)
     with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
         yield stats
+
+
+def moves_to_host(t: torch.Tensor) -> bool:
+    """Whether offloading ``t`` copies it to host memory (False: it is kept as it is)."""
+    return _ops_for(t) is not None
+
+
+@contextlib.contextmanager
+def offload_shared(*, min_bytes: int = 0) -> Iterator[OffloadStats]:
+    """:func:`offload` on this thread's shared stash (:func:`shared_stash`).
+
+    Tensors saved inside share one stash with the offload policies and with
+    every other ``offload_shared`` block, so backward prefetches across them:
+    bringing back one region's inputs starts copying back the previous one's.
+    """
+    stats = OffloadStats()
+    hooks = _OffloadHooks(shared_stash(), min_bytes, stats)
+    with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+        yield stats

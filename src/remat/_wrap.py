@@ -602,3 +602,16 @@ def set_wrapping_state(module: nn.Module, state: dict[str, Any]) -> None:
     for k in WRAP_KEYS:
         module.__dict__.pop(k, None)
     module.__dict__.update(state)
+
+
+def guarded_forward(
+    module: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Callable[..., Any]:
+    """``forward`` of ``module`` with the wrapper's side-effect guards, for one call.
+
+    Made when the forward starts (it records buffers, train flags and Python
+    arguments then); called again in recompute it runs with the buffers and
+    flags the forward started with (see the module docstring). Used by
+    :mod:`remat._spans` for the blocks of a span.
+    """
+    return Region(module, forward, args, kwargs)
