@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -19,6 +20,19 @@ from remat.planner.solve import brute_force, solve_dp, solve_milp
 
 CFG = ModelConfig(layers=4, d_model=64, seq=32, batch=2, heads=2, vocab=128)
 DECS = ("keep", "recompute", "selective")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine two threads make each step ~100x slower
+    (bytes do not depend on it); the previous count is put back."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+ONE_THREAD_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +51,7 @@ def share(prof, fraction):
     return budget, budget - static
 
 
+@pytest.mark.slow  # the fast form: tests/test_step_model.py's grids
 def test_predicted_peak_equals_measured_for_all_81_plans(gpt):
     model, x, prof = gpt
     mismatches = []
@@ -198,7 +213,7 @@ def test_remat_plan_cli_prints_plan_and_writes_json(tmp_path):
             "plan",
             "mymodel:make",
             "--budget",
-            "60%",
+            "90%",
             "--timer",
             "flops",
             "--json",
@@ -207,12 +222,64 @@ def test_remat_plan_cli_prints_plan_and_writes_json(tmp_path):
         capture_output=True,
         text=True,
         cwd=tmp_path,
+        env=ONE_THREAD_ENV,
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert "blocks.0" in proc.stdout and "predicted step peak" in proc.stdout
+    assert "peak in " in proc.stdout  # where the peak falls and its breakdown
     plan = remat.Plan.from_json(out.read_text())
     assert set(plan.decisions) == {"blocks.0", "blocks.1", "blocks.2"}
+
+
+@pytest.mark.parametrize(
+    "flags, optimizer, set_to_none",
+    [
+        ([], None, True),  # the default loop: no optimizer step, gradients None
+        (["--optimizer", "adamw"], "adamw", True),
+        (["--optimizer", "sgd-momentum", "--keep-grads"], "sgd-momentum", False),
+    ],
+)
+def test_remat_plan_cli_optimizer_and_keep_grads_plan_the_same_step_as_the_api(
+    tmp_path, flags, optimizer, set_to_none
+):
+    from remat.cli import main
+
+    (tmp_path / "cli_step_model.py").write_text(
+        textwrap.dedent(
+            """
+            from remat.bench.models import ModelConfig, build, example_input
+
+            CFG = ModelConfig(layers=3, d_model=32, seq=16, batch=2, heads=2, vocab=64)
+
+            def make():
+                return build(CFG), (example_input(CFG),)
+            """
+        )
+    )
+    out = tmp_path / "plan.json"
+    target = f"{tmp_path / 'cli_step_model.py'}:make"
+    argv = ["plan", target, "--budget", "90%", "--timer", "flops", "--json", str(out), *flags]
+    assert main(argv) == 0
+    from_cli = remat.Plan.from_json(out.read_text())
+    cfg = ModelConfig(layers=3, d_model=32, seq=16, batch=2, heads=2, vocab=64)
+    model = build(cfg)
+    opt = {
+        None: None,
+        "adamw": lambda: torch.optim.AdamW(model.parameters()),
+        "sgd-momentum": lambda: torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9),
+    }[optimizer]
+    prof = remat.profile(
+        model,
+        example_input(cfg),
+        optimizer=None if opt is None else opt(),
+        set_to_none=set_to_none,
+        timer="flops",
+    )
+    assert from_cli == remat.plan(prof, "90%")
+    assert (from_cli.breakdown["optimizer"] > 0) == (optimizer is not None)
+    if not set_to_none:
+        assert from_cli.breakdown["gradients"] == prof.grad_bytes
 
 
 @pytest.mark.parametrize(
@@ -223,14 +290,13 @@ def test_remat_plan_cli_prints_plan_and_writes_json(tmp_path):
         ("justaname", "MODULE:FACTORY"),
     ],
 )
-def test_remat_plan_cli_errors(target, match):
-    proc = subprocess.run(
-        [sys.executable, "-m", "remat", "plan", target, "--budget", "60%"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 2 and match in proc.stderr and "Traceback" not in proc.stderr
+def test_remat_plan_cli_errors(target, match, capsys):
+    # in-process (python -m remat is run once above): exit code 2 and one line naming the mistake
+    from remat.cli import main
+
+    assert main(["plan", target, "--budget", "60%"]) == 2
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err
 
 
 def test_time_profile_has_positive_costs_and_step_cost():

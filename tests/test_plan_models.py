@@ -13,6 +13,17 @@ from torch import nn
 
 import remat
 from remat.planner.apply import apply_decision
+from remat.planner.auto import step_peaks
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine two threads make each step ~100x slower
+    (bytes do not depend on it); the previous count is put back."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def _cnn() -> nn.Sequential:
@@ -435,3 +446,57 @@ def test_applying_a_plan_to_a_model_with_other_block_names_raises_and_changes_no
     with pytest.raises(remat.PlanError, match=r"no submodule named blocks\.0, blocks\.1"):
         p.apply(other)
     assert repr(other) == before
+
+
+# ---------------------------------------------------------------- 8. the default step on these models
+
+
+def _conv_relu() -> nn.Sequential:
+    """Blocks whose last op (ReLU) saves its output, no residual: a ResNet block's ending."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        *[nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.ReLU()) for _ in range(4)]
+    )
+
+
+# The tests above plan the kept-gradients step (set_to_none=False); these check the default
+# step (gradients None, created in backward) on the same unusual models, with and without
+# AdamW, for every plan of a small grid: first and later steps measured as predicted.
+DEFAULT_STEP_CASES = [
+    # tied Linear in blocks 0 and 2: its gradient is created in block 2's backward and
+    # accumulated in block 0's; a frozen stem; an input without grad
+    pytest.param(lambda: (_Tied(), (torch.randn(4, 8),), {}), None, id="tied-frozen"),
+    pytest.param(lambda: (_Tied(p=0.3), (torch.randn(4, 8),), {}), "adamw", id="tied-dropout"),
+    pytest.param(
+        lambda: (_KwModel(), (torch.randn(4, 8, requires_grad=True),), {"mask": torch.ones(4, 8)}),
+        "adamw",
+        id="keyword-tuple",
+    ),
+    pytest.param(lambda: (_Uneven(), (torch.randn(8, 16),), {}), None, id="uneven"),
+    pytest.param(lambda: (_cnn(), (_cnn_input(),), {}), None, id="cnn-batchnorm"),
+    pytest.param(lambda: (_conv_relu(), (_cnn_input(),), {}), None, id="conv-relu"),
+]
+
+
+@pytest.mark.parametrize("make, optimizer", DEFAULT_STEP_CASES)
+def test_default_step_peak_is_predicted_exactly_on_unusual_models(make, optimizer):
+    torch.manual_seed(0)
+    model, args, kwargs = make()
+    opt = None if optimizer is None else torch.optim.AdamW(model.parameters())
+    prof = remat.profile(
+        model, *args, optimizer=opt, decisions=["keep", "recompute"], timer="flops", **kwargs
+    )
+    blocks = [model.get_submodule(b.name) for b in prof.blocks]
+    wrong = []
+    try:
+        for ds in itertools.product(prof.decisions, repeat=len(blocks)):
+            for block, d in zip(blocks, ds):
+                apply_decision(block, d)
+            first, later = step_peaks(model, *args, optimizer=opt, steps=2, **kwargs)
+            predicted = prof.peak(ds).bytes
+            if max(first, later) != predicted or first > predicted:
+                wrong.append((ds, first, later, predicted))
+    finally:
+        for block in blocks:
+            apply_decision(block, "keep")
+    assert wrong == [], f"{len(wrong)} of {2 ** len(blocks)} plans mispredicted"

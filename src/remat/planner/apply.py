@@ -77,10 +77,20 @@ def apply_plan(plan: Any, model: nn.Module) -> nn.Module:
             f"Plan.apply: the model has no submodule named {', '.join(missing)}; the plan was made "
             "for another model (plan and model must come from the same architecture)."
         )
+    from .._spans import apply_span, remove_span, span_of
+
+    for name in plan.decisions:  # spans of an earlier plan go first
+        if span_of(model.get_submodule(name)) is not None:
+            remove_span(model, name)
+    names = list(plan.decisions)
+    spans = [names[names.index(a) : names.index(z) + 1] for a, z in getattr(plan, "spans", [])]
+    in_span = {n for members in spans for n in members}
     for name, decision in plan.decisions.items():
         module = _find(model, name)
         assert module is not None
-        apply_decision(module, decision)
+        apply_decision(module, "keep" if name in in_span else decision)
+    for members in spans:
+        apply_span(model, members, inner=plan.decisions[members[0]])
     return model
 
 

@@ -51,6 +51,16 @@ def step_peaks(
     """
     check_module(model, "remat.measure_peak")
     check_grad_enabled("remat.measure_peak")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"remat.measure_peak: optimizer must be a torch.optim.Optimizer or None, got "
+            f"{type(optimizer).__name__}. Pass the optimizer your training loop steps."
+        )
+    if not isinstance(set_to_none, bool):
+        raise TypeError(
+            f"remat.measure_peak: set_to_none must be True or False (as in "
+            f"optimizer.zero_grad), got {set_to_none!r}."
+        )
     device = device_of(model, (args, kwargs))
     counted = counted_device(device)
     inputs: list[torch.Tensor] = []
