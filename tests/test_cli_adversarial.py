@@ -21,6 +21,12 @@ from remat.cli import main
 
 TINY = ["bench", "--quick", "--steps", "1", "--no-progress"]
 
+
+@pytest.fixture(autouse=True)
+def in_tmp_path(tmp_path, monkeypatch):
+    """Run where the default output folder (remat-bench/) may be written."""
+    monkeypatch.chdir(tmp_path)
+
 FACTORIES = """
 import torch
 from torch import nn

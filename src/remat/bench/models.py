@@ -26,16 +26,51 @@ def plain_runner(i: int, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 @dataclasses.dataclass
 class ModelConfig:
-    """Size of a benchmark model (``gpt`` or ``mlp``)."""
+    """Size of a benchmark model (``gpt`` or ``mlp``); the defaults are ``remat bench``'s."""
 
     model: str = "gpt"
     layers: int = 6
-    d_model: int = 384
-    seq: int = 256
+    d_model: int = 256
+    seq: int = 128
     batch: int = 4
-    heads: int = 6
+    heads: int = 4
     vocab: int = 512
     dropout: float = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """A model size with its number of timed rounds, and what it is for."""
+
+    layers: int
+    d_model: int
+    seq: int
+    batch: int
+    heads: int
+    vocab: int
+    rounds: int
+    about: str
+
+    def config(self, model: str = "gpt") -> ModelConfig:
+        """The :class:`ModelConfig` of this size for ``model``."""
+        return ModelConfig(
+            model=model,
+            layers=self.layers,
+            d_model=self.d_model,
+            seq=self.seq,
+            batch=self.batch,
+            heads=self.heads,
+            vocab=self.vocab,
+        )
+
+
+PRESETS = {
+    "quick": Preset(4, 128, 64, 2, 4, 256, 5, "a smoke test, about 15 s"),
+    "default": Preset(6, 256, 128, 4, 4, 512, 7, "about a minute"),
+    "large": Preset(6, 384, 256, 4, 6, 512, 9, "every strategy, about 5 minutes"),
+}
+"""``remat bench``'s sizes (``--quick``, the default, ``--large``). Times are wall time on
+the project's 2-core CPU machine when it is quiet (docs/BENCHMARKS.md)."""
 
 
 class Attention(nn.Module):

@@ -1,7 +1,9 @@
 """Named checkpointing strategies for the benchmark.
 
 A strategy configures a freshly built benchmark model in place: most set its
-``run_block`` (how each block is called); wrapper strategies wrap the blocks.
+``run_block`` (how each block is called); wrapper strategies wrap the blocks;
+``auto-N%`` strategies call :func:`remat.auto_checkpoint` with ``budget="N%"``
+(the public API, so they follow whatever the planner's budget means).
 Adding one is a function and a line in :func:`registry`.
 """
 
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -28,14 +31,17 @@ class Strategy:
     Attributes:
         name: what ``--strategies`` takes.
         description: one line for the table's legend.
-        configure: ``configure(model, example_input)`` changes the model in place.
+        configure: ``configure(model, example_input)`` changes the model in place and
+            may return details for the results (a plan, a note), else None.
         device_only: True when it only makes sense with a device (offload).
+        plans: True when configuring runs the planner (profiling steps: slow).
     """
 
     name: str
     description: str
-    configure: Callable[[nn.Module, Any], None]
+    configure: Callable[[nn.Module, Any], dict[str, Any] | None]
     device_only: bool = False
+    plans: bool = False
 
 
 class _Runner:
@@ -156,56 +162,106 @@ def registry() -> dict[str, Strategy]:
 
 
 def _extra_strategies() -> list[Strategy]:
-    """Strategies of optional parts (module wrapper, planner) when they are present."""
-    out: list[Strategy] = []
-    try:
-        from .._wrap import checkpoint_wrapper
-    except ImportError:
-        checkpoint_wrapper = None  # type: ignore[assignment]
-    if checkpoint_wrapper is not None:
+    """The module wrapper and the planner at three budgets."""
+    from .._wrap import checkpoint_wrapper
 
-        def _wrapper(model: nn.Module, example: Any) -> None:
-            for block in _blocks(model):
+    def _wrapper(model: nn.Module, example: Any) -> None:
+        for block in _blocks(model):
+            checkpoint_wrapper(block)
+
+    def _wrapper2(model: nn.Module, example: Any) -> None:
+        for i, block in enumerate(_blocks(model)):
+            if i % 2 == 0:
                 checkpoint_wrapper(block)
 
-        def _wrapper2(model: nn.Module, example: Any) -> None:
-            for i, block in enumerate(_blocks(model)):
-                if i % 2 == 0:
-                    checkpoint_wrapper(block)
-
-        out.append(Strategy("wrapper", "remat.checkpoint_wrapper on every block", _wrapper))
+    out = [
+        Strategy("wrapper", "remat.checkpoint_wrapper on every block", _wrapper),
+        Strategy("wrapper-2nd", "remat.checkpoint_wrapper on every 2nd block", _wrapper2),
+    ]
+    for pct in AUTO_BUDGETS:
         out.append(
-            Strategy("wrapper-2nd", "remat.checkpoint_wrapper on every 2nd block", _wrapper2)
-        )
-    try:
-        from ..planner.auto import auto_checkpoint
-    except ImportError:
-        auto_checkpoint = None  # type: ignore[assignment]
-    if auto_checkpoint is not None:
-        for pct in (30, 50, 70):
-            out.append(
-                Strategy(
-                    f"auto-{pct}%",
-                    f"remat.auto_checkpoint, budget {pct}% of the unchecked activation peak",
-                    functools.partial(_auto, pct=pct),
-                )
+            Strategy(
+                f"auto-{pct}%",
+                f'remat.auto_checkpoint(model, x, budget="{pct}%")',
+                functools.partial(auto, pct=pct),
+                plans=True,
             )
+        )
     return out
 
 
-def _auto(model: nn.Module, example: Any, *, pct: int) -> None:
-    """Plan for ``pct``% of the unchecked activation peak; if no plan reaches it (a tiny
-    model), use the plan with the smallest reachable peak (the table shows the ratio)."""
-    from .._errors import PlanError
-    from ..planner.auto import auto_checkpoint
+AUTO_BUDGETS = (30, 50, 70)
+"""The budgets of the ``auto-N%`` strategies."""
 
+
+def auto(model: nn.Module, example: Any, *, pct: float) -> dict[str, Any]:
+    """``remat.auto_checkpoint(model, example, budget=f"{pct}%")``; returns the plan.
+
+    When no plan reaches the budget (``remat.PlanError``; a small model, or a budget
+    below what checkpointing every block saves), the smallest reachable budget is found
+    with :func:`remat.plan` on a profile and that plan is applied, with a note saying
+    so (the table footnotes it).
+
+    Returns:
+        ``{"plan": <the plan as JSON data>, "budget": "N%", "note": None or the fallback}``.
+    """
+    import remat
+
+    budget = f"{pct:g}%"
     try:
-        auto_checkpoint(model, example, budget=f"{pct}%", quiet=True)
-    except PlanError:
-        from ..planner.measure import profile
+        chosen = remat.auto_checkpoint(model, example, budget=budget, quiet=True)
+        note = None
+    except remat.PlanError:
+        prof = remat.profile(model, example)
+        reach = smallest_reachable_percent(prof, lambda b: remat.plan(prof, b))
+        chosen = remat.plan(prof, f"{reach}%")
+        chosen.apply(model)
+        note = (
+            f"no plan reaches {budget} (remat.PlanError); the plan with the smallest "
+            f"reachable budget, {reach}%, was used"
+        )
+    return {"budget": budget, "plan": json.loads(chosen.to_json()), "note": note}
 
-        prof = profile(model, example)
-        auto_checkpoint(model, example, budget=prof.floor_bytes, quiet=True)
+
+def smallest_reachable_percent(profile: Any, make_plan: Callable[[str], Any]) -> int:
+    """The smallest whole percentage budget for which a plan exists.
+
+    ``make_plan(budget)`` raises ``remat.PlanError`` when no plan reaches ``budget``.
+    Bisection over percentages through the public planner, so it follows the planner's
+    meaning of a percentage.
+
+    Example:
+        >>> import remat
+        >>> def make_plan(budget):  # a planner whose plans reach 36.2% at best
+        ...     if int(budget.rstrip("%")) < 36.2:
+        ...         raise remat.PlanError("too small")
+        >>> smallest_reachable_percent(None, make_plan)
+        37
+    """
+    import remat
+
+    def fits(pct: int) -> bool:
+        try:
+            make_plan(f"{pct}%")
+        except remat.PlanError:
+            return False
+        return True
+
+    lo, hi = 0, 100
+    while not fits(hi):  # past 100% only if even keeping everything was predicted over
+        lo, hi = hi, 2 * hi
+        if hi > 10_000:
+            raise remat.PlanError(
+                "remat bench: no plan reaches even 10000% of the reference; the planner "
+                "cannot plan this model."
+            )
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
 
 
 DEFAULT = (
@@ -217,5 +273,9 @@ DEFAULT = (
     "offload-blocks",
     "torch-full",
     "torch-selective",
-    "torch-wrapper",
+    "auto-30%",
+    "auto-50%",
+    "auto-70%",
 )
+"""What ``remat bench`` runs by default (on CPU without the device-only ones): remat's
+main strategies, torch's for comparison and the planner at three budgets."""

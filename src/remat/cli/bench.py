@@ -1,90 +1,143 @@
-"""``remat bench``: the memory/time trade-off of each strategy on a built-in model."""
+"""``remat bench``: the memory/time trade-off of each strategy on a built-in model.
+
+The default run is sized to finish in about a minute on a quiet 2-core CPU
+(``--quick``: a smoke test; ``--large``: the bigger model and every strategy).
+It prints a time estimate after timing one step, a table with the spread of every
+row, ties and a recommendation, and writes the JSON and the picture to
+``remat-bench/`` (``--out``), printing both paths.
+
+Shared machines: on CPU the run uses one thread by default and times each
+step by that thread's CPU time, so time the scheduler gives to other processes
+is not counted. (On the project's 2-core machine, with other jobs running, a
+two-thread step took 3.4 s instead of 0.22 s and rounds varied by 60%: torch's
+threads wait for each other at every operator, so one descheduled thread
+stalls the step.) ``--threads N`` uses N threads, timed by wall clock. Every
+row's ratio is paired by round, and a run whose timing varied is called noisy
+in the output.
+"""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
 import json
 import os
 import sys
+import time
 from typing import Any
 
 import torch
 
-from ..bench.models import MODELS, ModelConfig, build, estimate_step_bytes, param_bytes
-from ..bench.runner import WARMUP, environment, format_table, run
-from ..bench.strategies import DEFAULT, registry
+from ..bench import report
+from ..bench.models import MODELS, PRESETS, ModelConfig, build, estimate_step_bytes, param_bytes
+from ..bench.runner import Result, environment, run, work
+from ..bench.strategies import DEFAULT, Strategy, registry
 from ._usage import RunError, UsageError, check_output_path, write_text
 
 PLOT_FORMATS = (".png", ".pdf", ".svg")
 """What ``--plot`` writes (chosen by the file's suffix); matplotlib's Agg backend draws them all."""
+
+OUT_DIR = "remat-bench"
+"""Where the JSON and the picture go by default (``--out``)."""
 
 
 def add_parser(sub: Any) -> None:
     """Register ``bench`` on the subparsers object of ``remat``'s parser."""
     p = sub.add_parser(
         "bench",
-        help="benchmark checkpointing strategies on a built-in model",
+        help="benchmark checkpointing strategies on a built-in model (about a minute)",
         description=(
-            "Run every strategy on a built-in model and print peak memory, activation memory, "
-            "step time and their ratios to no checkpointing."
+            "Run checkpointing strategies on a built-in model and print peak memory, activation "
+            "memory, step time, their ratios to no checkpointing with their spread, and which "
+            f"strategy to pick. Writes {OUT_DIR}/bench.json and {OUT_DIR}/bench.png. The default "
+            f"run takes {PRESETS['default'].about} on a 2-core CPU; --quick {PRESETS['quick'].about}; "
+            f"--large: {PRESETS['large'].about}."
         ),
+    )
+    size = p.add_mutually_exclusive_group()
+    size.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a small model and {PRESETS['quick'].rounds} rounds ({PRESETS['quick'].about}); "
+        "an explicit --layers, --d-model, --seq, --batch or --steps wins over it",
+    )
+    size.add_argument(
+        "--large",
+        action="store_true",
+        help=f"the bigger model (6 layers, d-model 384, seq 256) and every strategy "
+        f"({PRESETS['large'].about})",
     )
     p.add_argument(
         "--model", default="gpt", help=f"built-in model: {', '.join(MODELS)} (default gpt)"
     )
-    p.add_argument("--layers", type=int, default=None, help="number of blocks (default 6)")
+    d = PRESETS["default"]
+    p.add_argument(
+        "--layers", type=int, default=None, help=f"number of blocks (default {d.layers})"
+    )
     p.add_argument(
         "--d-model",
         type=int,
         default=None,
-        help="width (default 384); gpt keeps 6 heads (4 with --quick) when they divide it, "
+        help=f"width (default {d.d_model}); gpt keeps its heads when they divide it, "
         "else the first of 8, 6, 4, 2, 1 that does",
     )
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default 256)")
-    p.add_argument("--batch", type=int, default=None, help="batch size (default 4)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per strategy (default 5)")
+    p.add_argument("--seq", type=int, default=None, help=f"sequence length (default {d.seq})")
+    p.add_argument("--batch", type=int, default=None, help=f"batch size (default {d.batch})")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"timed rounds, one step of every strategy each (default {d.rounds})",
+    )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument(
-        "--threads", type=int, default=None, help="CPU threads for torch (1 to the CPU count)"
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch (1 to the CPU count; default on CPU: 1, timed by its CPU "
+        "time, which other processes on the machine do not disturb)",
+    )
+    p.add_argument(
+        "--clock",
+        choices=("auto", "wall", "cpu"),
+        default="auto",
+        help="wall time, or the thread's CPU time (CPU, one thread only); default: cpu at one "
+        "thread on CPU, else wall",
     )
     p.add_argument(
         "--strategies",
         default=None,
-        help="comma-separated strategies (default: all that apply to the device); see --list",
+        help="comma-separated strategies, or 'all' (default: the main ones that apply to the "
+        "device); see --list",
     )
     p.add_argument("--list", action="store_true", help="list the strategies and exit")
     p.add_argument(
-        "--quick",
-        action="store_true",
-        help="a small model and few steps (< 1 minute): 4 layers, d-model 128, seq 64, batch 2, "
-        "3 steps; an explicit --layers, --d-model, --seq, --batch or --steps wins over it",
+        "--out",
+        metavar="DIR",
+        default=OUT_DIR,
+        help=f"folder for bench.json and bench.png (default {OUT_DIR}, created if missing)",
     )
-    p.add_argument("--json", metavar="FILE", default=None, help="also write the results as JSON")
+    p.add_argument("--json", metavar="FILE", default=None, help="write the JSON here instead")
     p.add_argument(
         "--plot",
         metavar="FILE.png",
         default=None,
-        help="draw memory vs time to a .png, .pdf or .svg file (needs remat[plot])",
+        help="draw the picture here instead: a .png, .pdf or .svg file (needs remat[plot])",
     )
+    p.add_argument("--no-save", action="store_true", help="write no files, only print")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=main)
 
 
-def _config(args: argparse.Namespace) -> tuple[ModelConfig, int]:
+def _config(args: argparse.Namespace) -> tuple[ModelConfig, int, str]:
     if args.model not in MODELS:
         raise UsageError(
             f"--model: unknown model {args.model!r}; choose one of: {', '.join(MODELS)}."
         )
-    if args.quick:
-        cfg = ModelConfig(
-            model=args.model, layers=4, d_model=128, seq=64, batch=2, heads=4, vocab=256
-        )
-        steps = 3
-    else:
-        cfg = ModelConfig(model=args.model)
-        steps = 5
+    size = "quick" if args.quick else "large" if args.large else "default"
+    preset = PRESETS[size]
+    cfg = preset.config(args.model)
+    steps = preset.rounds
     for field, value in (
         ("layers", args.layers),
         ("d_model", args.d_model),
@@ -102,7 +155,7 @@ def _config(args: argparse.Namespace) -> tuple[ModelConfig, int]:
         if args.steps < 1:
             raise UsageError(f"--steps must be >= 1, got {args.steps}.")
         steps = args.steps
-    return cfg, steps
+    return cfg, steps, size
 
 
 def _device(name: str | None) -> torch.device:
@@ -129,6 +182,16 @@ def _device(name: str | None) -> torch.device:
     return dev
 
 
+def _available_bytes(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def _threads(n: int) -> int:
     cpus = os.cpu_count() or 1
     if not 1 <= n <= cpus:
@@ -140,50 +203,80 @@ def _threads(n: int) -> int:
     return n
 
 
-def _available_bytes(device: torch.device) -> int | None:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    try:
-        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def _strategies(arg: str | None, device: torch.device) -> tuple[list[Any], list[str]]:
-    """The strategies to run, and the default ones skipped because they need a device."""
+def _strategies(
+    arg: str | None, device: torch.device, large: bool
+) -> tuple[list[Strategy], list[dict[str, str]]]:
+    """The strategies to run, and the ones left out because they need a device."""
     reg = registry()
-    skipped: list[str] = []
-    if arg is None:
-        names = [n for n in DEFAULT if n in reg]
-        names += [n for n in reg if n not in DEFAULT]
+    reason = "needs a device (on a CPU-only setup tensors already live in host memory)"
+    if arg is None or arg.strip() == "all":
+        names = list(reg) if large or arg is not None else [n for n in DEFAULT if n in reg]
         skipped = [n for n in names if reg[n].device_only and device.type == "cpu"]
         chosen = [reg[n] for n in names if n not in skipped]
-    else:
-        # spaces and empty items are ignored; a repeated name runs once (each strategy
-        # needs its own model: a repeat would share one and double its gradients)
-        wanted = list(dict.fromkeys(n.strip() for n in arg.split(",") if n.strip()))
-        if not wanted:
-            raise UsageError(
-                f"--strategies {arg!r} names no strategy; pass comma-separated names such as "
-                "full,selective (see --list)."
-            )
-        unknown = [n for n in wanted if n not in reg]
-        if unknown:
-            raise UsageError(
-                f"--strategies: unknown strategy {', '.join(map(repr, unknown))}; "
-                f"choose from: {', '.join(reg)}."
-            )
-        cpu_only = [n for n in wanted if reg[n].device_only and device.type == "cpu"]
-        if cpu_only:
-            raise UsageError(
-                f"strategy {', '.join(cpu_only)} needs a device (on a CPU-only setup tensors already "
-                "live in host memory); drop it or use --device cuda."
-            )
-        chosen = [reg[n] for n in wanted]
-    if "none" not in [s.name for s in chosen]:
+        return chosen, [{"strategy": n, "reason": reason} for n in skipped]
+    # spaces and empty items are ignored; a repeated name runs once (each strategy
+    # needs its own model: a repeat would share one and double its gradients)
+    wanted = list(dict.fromkeys(n.strip() for n in arg.split(",") if n.strip()))
+    if not wanted:
+        raise UsageError(
+            f"--strategies {arg!r} names no strategy; pass comma-separated names such as "
+            "full,selective, or all (see --list)."
+        )
+    unknown = [n for n in wanted if n not in reg]
+    if unknown:
+        raise UsageError(
+            f"--strategies: unknown strategy {', '.join(map(repr, unknown))}; "
+            f"choose from: {', '.join(reg)}, or all."
+        )
+    cpu_only = [n for n in wanted if reg[n].device_only and device.type == "cpu"]
+    if cpu_only:
+        raise UsageError(
+            f"strategy {', '.join(cpu_only)} needs a device (on a CPU-only setup tensors already "
+            "live in host memory); drop it or use --device cuda."
+        )
+    chosen = [reg[n] for n in wanted]
+    if "none" not in wanted:
         chosen.insert(0, reg["none"])  # the reference for the ratios
-    return chosen, skipped
+    return chosen, []
+
+
+def _outputs(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """``(json path, picture path)``, checked before any work."""
+    if args.no_save:
+        if args.json is not None or args.plot is not None:
+            raise UsageError("--no-save writes no files: drop it, or drop --json/--plot.")
+        return None, None
+    if args.json is None or args.plot is None:
+        _check_out_dir(args.out)
+    json_path = args.json if args.json is not None else os.path.join(args.out, "bench.json")
+    plot_path = args.plot if args.plot is not None else os.path.join(args.out, "bench.png")
+    if args.json is not None:
+        check_output_path("--json", args.json)
+    if args.plot is not None:
+        if importlib.util.find_spec("matplotlib") is None:
+            raise UsageError("--plot needs matplotlib: pip install 'remat[plot]'")
+        if os.path.splitext(args.plot)[1].lower() not in PLOT_FORMATS:
+            raise UsageError(
+                f"--plot {args.plot}: the file name must end in {', '.join(PLOT_FORMATS)} "
+                "(it picks the format); pass for example bench.png."
+            )
+        check_output_path("--plot", args.plot)
+    return json_path, plot_path
+
+
+def _check_out_dir(path: str) -> None:
+    if not path:
+        raise UsageError("--out '': empty folder name; pass a folder such as remat-bench.")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"--out {path}: is a file; pass a folder (created if missing).")
+    parent = os.path.dirname(os.path.abspath(path))
+    target = path if os.path.isdir(path) else parent
+    if not os.path.isdir(target):
+        raise UsageError(
+            f"--out {path}: the folder {parent} does not exist; create it or pass another path."
+        )
+    if not os.access(target, os.W_OK):
+        raise UsageError(f"--out {path}: {target} is not writable; pass another folder.")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -206,28 +299,32 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
     if args.list:
+        defaults = set(DEFAULT)
         for s in registry().values():
             extra = " (device only)" if s.device_only else ""
-            print(f"{s.name:<20}{s.description}{extra}")
+            mark = "*" if s.name in defaults else " "
+            print(f"{mark} {s.name:<20}{s.description}{extra}")
+        print("\n* run by default; --large or --strategies all runs every one.")
         return 0
-    cfg, steps = _config(args)
+    cfg, steps, size = _config(args)
     device = _device(args.device)
     threads = None if args.threads is None else _threads(args.threads)
-    strategies, skipped = _strategies(args.strategies, device)
-    if args.json is not None:
-        check_output_path("--json", args.json)
-    if args.plot is not None:
-        if importlib.util.find_spec("matplotlib") is None:
-            raise UsageError("--plot needs matplotlib: pip install 'remat[plot]'")
-        if os.path.splitext(args.plot)[1].lower() not in PLOT_FORMATS:
-            raise UsageError(
-                f"--plot {args.plot}: the file name must end in {', '.join(PLOT_FORMATS)} "
-                "(it picks the format); pass for example bench.png."
-            )
-        check_output_path("--plot", args.plot)
+    strategies, skipped = _strategies(args.strategies, device, size == "large")
+    json_path, plot_path = _outputs(args)
+    if threads is None and device.type == "cpu":
+        threads = 1
     if threads is not None:
         torch.set_num_threads(threads)
+    clock = args.clock
+    if clock == "auto":
+        clock = "cpu" if device.type == "cpu" and torch.get_num_threads() == 1 else "wall"
+    elif clock == "cpu" and (device.type != "cpu" or torch.get_num_threads() != 1):
+        raise UsageError(
+            f"--clock cpu times one thread: it needs --device cpu and --threads 1 (got device "
+            f"{device}, {torch.get_num_threads()} threads); pass --clock wall."
+        )
     need = estimate_step_bytes(cfg) * 2  # one model per strategy is alive: be generous
     avail = _available_bytes(device)
     if avail is not None and need > avail:
@@ -238,53 +335,152 @@ def _main(args: argparse.Namespace) -> int:
     n_params = _count(cfg)
     env = environment(device, cfg, n_params)
     heads = f", {cfg.heads} heads" if cfg.model == "gpt" else ""
-    print(
-        f"remat bench: torch {env['torch']}, device {device}, threads {env['threads']}, "
-        f"model {cfg.model} ({cfg.layers} layers, d={cfg.d_model}{heads}, seq {cfg.seq}, "
-        f"batch {cfg.batch}, {n_params / 1e6:.1f}M parameters), {steps} timed steps"
+    note = (
+        " (timed by its CPU time: other processes do not count; --threads N for more)"
+        if clock == "cpu"
+        else ""
     )
-    units = len(strategies) * (3 + WARMUP + steps)  # configure, grads, memory, steps
-    bar = None
-    if not args.no_progress:
-        from tqdm import tqdm
+    print(
+        f"remat bench: torch {env['torch']}, device {device}, threads {env['threads']}{note}, "
+        f"model {cfg.model} ({cfg.layers} layers, d={cfg.d_model}{heads}, seq {cfg.seq}, "
+        f"batch {cfg.batch}, {n_params / 1e6:.1f}M parameters), {len(strategies)} strategies, "
+        f"{steps} timed rounds"
+    )
+    total = work(strategies, steps)
+    bar: Any = None
 
-        bar = tqdm(total=units, desc="remat bench", file=sys.stderr, leave=False)
+    def calibrated(step_s: float, wall_s: float) -> None:
+        nonlocal bar
+        est = total * wall_s
+        print(
+            f"estimated time: about {_duration(est)} (one step without checkpointing took "
+            f"{wall_s * 1e3:.0f} ms; --quick for a smoke test)",
+            flush=True,
+        )
+        if not args.no_progress:
+            from tqdm import tqdm
+
+            bar = tqdm(
+                total=total,
+                desc="remat bench",
+                file=sys.stderr,
+                leave=False,
+                bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed} elapsed, {remaining} left",
+            )
+
     try:
-        rows = run(
+        result = run(
             cfg,
             strategies,
             device=device,
             steps=steps,
-            progress=(lambda label: bar.update(1)) if bar is not None else None,
+            clock=clock,
+            calibrated=calibrated,
+            progress=lambda label, weight: bar.update(weight) if bar is not None else None,
         )
     finally:
         if bar is not None:
             bar.close()
-    print(format_table(rows))
+    print()
+    print(report.format_table(result))
+    print(report.how_measured(result))
+    print(report.TIE_LEGEND)
     if skipped:
         print(
-            f"\nskipped on {device.type}: {', '.join(skipped)} (needs a device; on a CPU-only "
-            "setup tensors already live in host memory)"
+            f"skipped on {device.type}: {', '.join(s['strategy'] for s in skipped)} (needs a "
+            "device; on a CPU-only setup tensors already live in host memory)"
         )
+    print(result.noise.describe())
+    print()
+    print(report.recommendation(result))
     w = max(len(s.name) for s in strategies) + 2
     print("\n" + "\n".join(f"  {s.name:<{w}}{s.description}" for s in strategies))
-    if args.json is not None:
-        data = {"environment": env, "rows": [dataclasses.asdict(r) for r in rows]}
-        write_text("--json", args.json, json.dumps(data, indent=2))
-    if args.plot is not None:
+    _save(result, env, skipped, args, json_path, plot_path, cfg, device, started)
+    return 0
+
+
+def _save(
+    result: Result,
+    env: dict[str, Any],
+    skipped: list[dict[str, str]],
+    args: argparse.Namespace,
+    json_path: str | None,
+    plot_path: str | None,
+    cfg: ModelConfig,
+    device: torch.device,
+    started: float,
+) -> None:
+    if json_path is None:
+        return
+    written = []
+    picture = None
+    if plot_path is not None:
+        if importlib.util.find_spec("matplotlib") is None:
+            print(
+                "\npicture skipped: matplotlib is not installed (pip install 'remat[plot]'); "
+                "the JSON has the same numbers."
+            )
+        else:
+            picture = plot_path
+    for path in (json_path, picture):
+        if path is not None and os.path.dirname(path):
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+            except OSError as e:
+                raise RunError(f"--out {os.path.dirname(path)}: cannot create it: {e}.") from None
+    if picture is not None:
         from ..bench.plot import plot
 
-        frontier = None
-        if any(r.strategy.startswith("auto-") for r in rows):
-            frontier = _frontier(cfg, device, rows)
+        caption = [report.recommendation(result)]
+        caption += [
+            f"[{k}] {r.strategy}: {n}." for k, (r, n) in enumerate(report.footnotes(result.rows), 1)
+        ]
+        caption.append(result.noise.describe())
+        flag = "--plot" if args.plot is not None else "--out"
         try:
-            plot(rows, args.plot, title=f"remat bench: {cfg.model}, {device}", frontier=frontier)
+            plot(
+                result.rows,
+                picture,
+                title=(
+                    f"remat bench: {cfg.model}, {cfg.layers} layers, d={cfg.d_model}, {device}, "
+                    f"{result.threads} thread{'s' if result.threads != 1 else ''}"
+                ),
+                recommended=[r.strategy for r in result.recommended()],
+                caption=caption,
+            )
         except ImportError as e:
             raise UsageError(str(e)) from None
         except OSError as e:
-            raise RunError(f"--plot {args.plot}: cannot write it: {e.strerror or e}.") from None
-        print(f"plot written to {args.plot}")
-    return 0
+            raise RunError(f"{flag} {picture}: cannot write it: {e.strerror or e}.") from None
+        written.append(picture)
+    data = report.to_json(
+        result,
+        environment=env,
+        skipped=skipped,
+        extra={
+            "wall_time_s": time.perf_counter() - started,
+            "arguments": {k: v for k, v in vars(args).items() if k != "run"},
+            "outputs": {"json": json_path, "plot": picture},
+        },
+    )
+    write_text(
+        "--json" if args.json is not None else "--out", json_path, json.dumps(data, indent=2)
+    )
+    written.insert(0, json_path)
+    print("\nwrote " + " and ".join(written))
+
+
+def _duration(seconds: float) -> str:
+    """``"45 s"``, ``"3 min"``.
+
+    Example:
+        >>> _duration(44.6), _duration(200)
+        ('45 s', '3 min 20 s')
+    """
+    s = round(seconds)
+    if s < 90:
+        return f"{s} s"
+    return f"{s // 60} min {s % 60} s" if s % 60 else f"{s // 60} min"
 
 
 def _count(cfg: ModelConfig) -> int:
@@ -292,29 +488,3 @@ def _count(cfg: ModelConfig) -> int:
     with torch.device("meta"):
         model = build(cfg, "meta")
     return param_bytes(model) // 4
-
-
-def _frontier(cfg: ModelConfig, device: torch.device, rows: Any) -> tuple[list[float], list[float]]:
-    """The planner's predicted (time ratio, activation ratio) for budgets from its floor to 100%.
-
-    Time ratios use the profile's own clock: its keep step and its per-block costs.
-    """
-    from .._errors import PlanError
-    from ..bench.models import example_input
-    from ..planner.measure import profile
-    from ..planner.plan import plan
-
-    model = build(cfg, device)
-    prof = profile(model, example_input(cfg, device))
-    lo = prof.floor_bytes
-    xs: list[float] = []
-    ys: list[float] = []
-    for k in range(21):
-        budget = lo + (prof.unchecked_peak_bytes - lo) * k // 20
-        try:
-            p = plan(prof, budget)
-        except PlanError:
-            continue
-        xs.append(1.0 + p.predicted_overhead_s / prof.step_cost)
-        ys.append(p.predicted_peak_bytes / prof.unchecked_peak_bytes)
-    return xs, ys

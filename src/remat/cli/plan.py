@@ -1,5 +1,9 @@
 """``remat plan MODULE:FACTORY --budget 60%``: profile a model and print the plan.
 
+Without ``MODULE:FACTORY`` the built-in model of ``remat bench`` is planned
+(``--model gpt`` or ``mlp``, the default size), so the command can be tried
+before writing a factory: ``remat plan --budget 50%``.
+
 ``MODULE`` is a module importable from the current directory (or ``PYTHONPATH``)
 or the path of a Python file (``path/to/models.py:make``). ``FACTORY`` is called
 without arguments and returns ``(model, example_args)``: ``model`` an
@@ -37,13 +41,22 @@ def add_parser(sub: Any) -> None:
         description=(
             "Profile a model and choose keep/recompute/selective/offload per block so that the "
             "predicted peak fits the budget at the least added time. FACTORY is a function "
-            "returning (model, example_args)."
+            "returning (model, example_args). Without MODULE:FACTORY, the built-in model of "
+            "remat bench is planned (try: remat plan --budget 50%%)."
         ),
     )
     p.add_argument(
         "target",
         metavar="MODULE:FACTORY",
-        help="e.g. mypkg.models:make_model, or a file: path/to/models.py:make_model",
+        nargs="?",
+        default=None,
+        help="e.g. mypkg.models:make_model, or a file: path/to/models.py:make_model "
+        "(default: the built-in model, see --model)",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="without MODULE:FACTORY: the built-in model to plan, gpt or mlp (default gpt)",
     )
     p.add_argument(
         "--budget",
@@ -165,6 +178,22 @@ def _load(target: str) -> tuple[torch.nn.Module, tuple[Any, ...], bool]:
     return model, (example,), False
 
 
+def _builtin(name: str | None) -> tuple[torch.nn.Module, tuple[Any, ...], str]:
+    """The default-size built-in model of ``remat bench``, its example input and a label."""
+    from ..bench.models import MODELS, ModelConfig, build, example_input
+
+    kind = name or "gpt"
+    if kind not in MODELS:
+        raise UsageError(f"--model: unknown model {kind!r}; choose one of: {', '.join(MODELS)}.")
+    cfg = ModelConfig(model=kind)
+    heads = f", {cfg.heads} heads" if kind == "gpt" else ""
+    label = (
+        f"built-in {kind} ({cfg.layers} layers, d={cfg.d_model}{heads}, seq {cfg.seq}, "
+        f"batch {cfg.batch})"
+    )
+    return build(cfg), (example_input(cfg),), label
+
+
 def _hint(target: str, example_was_tuple: bool) -> str:
     """Why a model may have failed on its example: a list of args is its only argument."""
     if example_was_tuple:
@@ -195,7 +224,16 @@ def main(args: argparse.Namespace) -> int:
     """Run ``remat plan``: exit code 0 done, 2 a usage mistake, 1 the factory or model failed."""
     try:
         _check(args)
-        model, example, was_tuple = _load(args.target)
+        if args.target is None:
+            model, example, label = _builtin(args.model)
+            was_tuple = True
+            print(f"remat plan: {label}", flush=True)
+        elif args.model is not None:
+            raise UsageError(
+                f"--model {args.model} picks a built-in model: drop it, or drop {args.target}."
+            )
+        else:
+            model, example, was_tuple = _load(args.target)
         try:
             make = OPTIMIZERS[args.optimizer]
             opt = None if make is None else make(model.parameters())
@@ -206,8 +244,8 @@ def main(args: argparse.Namespace) -> int:
             if isinstance(e, PlanError) or str(e).startswith("remat."):
                 raise RunError(str(e)) from None  # remat's own message says what to change
             raise RunError(
-                f"profiling {args.target}'s model raised {describe(e)}"
-                + _hint(args.target, was_tuple)
+                f"profiling {args.target or 'the built-in'}'s model raised {describe(e)}"
+                + _hint(args.target or "", was_tuple)
             ) from None
         try:
             chosen = plan(prof, args.budget, solver=args.solver)

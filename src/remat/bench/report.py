@@ -1,0 +1,145 @@
+"""What ``remat bench`` prints and writes: the table, its footnotes, the recommendation, JSON.
+
+Everything the table and the picture show is in :func:`to_json`'s data too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from .runner import Result, Row
+
+TIE_LEGEND = (
+    "tie: rows sharing a letter are within each other's spread (interquartile range of the "
+    "per-round time ratios): their step times are not distinguishable on this run."
+)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def footnotes(rows: Sequence[Row]) -> list[tuple[Row, str]]:
+    """``(row, note)`` for every row with a note, in table order (marked [1], [2], ...)."""
+    return [(r, r.note) for r in rows if r.note is not None]
+
+
+def format_table(result: Result) -> str:
+    """The results as a fixed-width table, with its footnotes and the tie legend."""
+    rows = result.rows
+    marks = {r.strategy: f" [{k}]" for k, (r, _) in enumerate(footnotes(rows), 1)}
+    w = max([10, *(len(r.strategy) + len(marks.get(r.strategy, "")) + 2 for r in rows)])
+    head = (
+        f"{'strategy':<{w}}{'peak step':>11}{'mem x':>7}{'activations':>13}{'act x':>7}"
+        f"{'step time':>11}{'time x':>8}{'spread':>13}{'tie':>5}{'max |dgrad|':>13}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        name = r.strategy + marks.get(r.strategy, "")
+        spread = (
+            "reference"
+            if r.strategy == result.reference
+            else f"{r.time_ratio_low:.2f}-{r.time_ratio_high:.2f}"
+        )
+        lines.append(
+            f"{name:<{w}}{_mib(r.peak_bytes):>11}{r.memory_ratio:>7.2f}"
+            f"{_mib(r.activation_bytes):>13}{r.activation_ratio:>7.2f}"
+            f"{r.step_time_s * 1e3:>8.0f} ms{r.time_ratio:>8.2f}{spread:>13}{r.ties:>5}"
+            f"{r.max_grad_diff:>13.2g}"
+        )
+    for k, (r, note) in enumerate(footnotes(rows), 1):
+        lines.append(f"[{k}] {r.strategy}: {note}.")
+    return "\n".join(lines)
+
+
+def how_measured(result: Result) -> str:
+    """One line: rounds, clock, threads."""
+    clock = (
+        "wall time"
+        if result.clock == "wall"
+        else "the thread's CPU time (one thread: time other processes take is not counted)"
+    )
+    return (
+        f"step time: median of {result.rounds} interleaved rounds, {clock}, "
+        f"{result.threads} thread{'s' if result.threads != 1 else ''}; time x: median of the "
+        "per-round ratios to none, spread: their interquartile range."
+    )
+
+
+def recommendation(result: Result) -> str:
+    """One or two sentences: the fastest strategy at each memory level, and its ties.
+
+    Example (the shape of the text)::
+
+        Recommendation: for the least memory use full (0.24x the activations, 1.36x the
+        step time); for 0.47x, auto-50% (1.15x); with memory to spare, none (no
+        checkpointing). As fast within the noise, with no more memory: torch-full (as
+        full); auto-30% (as auto-50%).
+    """
+    front = result.recommended()
+    parts = []
+    for k, r in enumerate(front):
+        if r.strategy == result.reference:
+            parts.append(f"with memory to spare, {r.strategy} (no checkpointing)")
+        elif k == 0:
+            parts.append(
+                f"for the least memory use {r.strategy} ({r.activation_ratio:.2f}x the "
+                f"activations, {r.time_ratio:.2f}x the step time)"
+            )
+        else:
+            parts.append(f"for {r.activation_ratio:.2f}x, {r.strategy} ({r.time_ratio:.2f}x)")
+    text = "Recommendation: " + "; ".join(parts) + "."
+    ties = []
+    for r in front:
+        if r.strategy == result.reference:
+            continue
+        same = [
+            o.strategy
+            for o in result.rows
+            if o is not r
+            and o.strategy != result.reference
+            and round(100 * o.activation_ratio) <= round(100 * r.activation_ratio)
+            and set(o.ties) & set(r.ties)
+        ]
+        if same:
+            ties.append(f"{', '.join(same)} (as {r.strategy})")
+    if ties:
+        text += " As fast within the noise, with no more memory: " + "; ".join(ties) + "."
+    if result.noise.noisy:
+        text += " Noisy run: see the timing note."
+    return text
+
+
+def to_json(
+    result: Result,
+    *,
+    environment: dict[str, Any],
+    skipped: Sequence[dict[str, str]],
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Everything the table and the picture show, as plain JSON data."""
+    return {
+        "environment": environment,
+        "timing": {
+            "rounds": result.rounds,
+            "clock": result.clock,
+            "threads": result.threads,
+            "reference": result.reference,
+            "reference_step_s": result.reference_step_s,
+            "load_average_start": result.load_average[0],
+            "load_average_end": result.load_average[1],
+            "how": how_measured(result),
+        },
+        "rows": [dataclasses.asdict(r) for r in result.rows],
+        "skipped": list(skipped),
+        "footnotes": [{"strategy": r.strategy, "note": n} for r, n in footnotes(result.rows)],
+        "recommendation": {
+            "text": recommendation(result),
+            "fastest_per_memory": [r.strategy for r in result.recommended()],
+        },
+        "noise": {**dataclasses.asdict(result.noise), "text": result.noise.describe()},
+        "tie_legend": TIE_LEGEND,
+        **(extra or {}),
+    }

@@ -1,0 +1,206 @@
+"""Reading step times of interleaved rounds: ratios, spread, ties, noise, recommendation.
+
+Pure functions of the measured numbers (no timing here), so each rule is tested
+with fixed inputs.
+
+* **Paired ratios.** Every round runs one step of every strategy, back to back.
+  A strategy's time ratio in a round is its step time over the reference's step
+  time *in the same round*; the row's ratio is the median over rounds. A slow
+  patch of the machine that hits a whole round cancels out of that round's ratios.
+* **Spread.** The interquartile range of a row's per-round ratios (with fewer
+  than :data:`MIN_ROUNDS_FOR_IQR` rounds, the full range). The reference's own
+  ratio is 1 in every round: its spread is nil by construction, its step
+  times' spread is reported apart.
+* **Ties.** Two rows whose spreads overlap are not distinguishable. Rows are
+  given letters (a "compact letter display"): rows that share a letter are
+  within each other's spread; a letter of its own means the row is told apart
+  from every other row. The letters are the maximal sets of rows whose spreads
+  share a common point, ordered by median.
+* **Noise.** A run is called noisy when the reference's step times vary by more
+  than :data:`NOISY_REFERENCE` (interquartile range over median) or the paired
+  ratios by more than :data:`NOISY_RATIO` (median over rows of the interquartile
+  range over the median), or the load average exceeded the CPU count. Both
+  thresholds were set on the project's 2-core CI machine: quiet runs stayed
+  under 5% and 3%, runs sharing the cores with test suites went to 20-200%.
+* **Recommendation.** The fastest strategy (by median ratio) at each memory
+  level: walking from the least activation memory up, a row is recommended
+  when it is faster than every row that uses no more memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Sequence
+
+MIN_ROUNDS_FOR_IQR = 5
+"""Below this many rounds the spread is the full range (quartiles of 3 values say little)."""
+
+NOISY_REFERENCE = 0.15
+"""Interquartile range over median of the reference's step times above which a run is noisy."""
+
+NOISY_RATIO = 0.08
+"""Median relative interquartile range of the paired ratios above which a run is noisy."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Spread:
+    """Median and spread (low, high) of a sample."""
+
+    median: float
+    low: float
+    high: float
+
+    def overlaps(self, other: Spread) -> bool:
+        """True when the two ranges share a point."""
+        return self.low <= other.high and other.low <= self.high
+
+
+def spread(values: Sequence[float]) -> Spread:
+    """Median and interquartile range (full range below :data:`MIN_ROUNDS_FOR_IQR` values).
+
+    Example:
+        >>> spread([1.0, 2.0, 3.0, 4.0, 100.0])
+        Spread(median=3.0, low=2.0, high=4.0)
+        >>> spread([1.0, 3.0])
+        Spread(median=2.0, low=1.0, high=3.0)
+    """
+    if not values:
+        raise ValueError("spread: no values (at least one timed round is needed).")
+    med = statistics.median(values)
+    if len(values) < MIN_ROUNDS_FOR_IQR:
+        return Spread(med, min(values), max(values))
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return Spread(med, q1, q3)
+
+
+def paired_ratios(times: Sequence[float], reference: Sequence[float]) -> list[float]:
+    """Per-round ratios ``times[r] / reference[r]`` (rounds in the same order).
+
+    Example:
+        >>> paired_ratios([2.0, 6.0], [1.0, 4.0])
+        [2.0, 1.5]
+    """
+    if len(times) != len(reference):
+        raise ValueError(
+            f"paired_ratios: {len(times)} times but {len(reference)} reference times; "
+            "every round must time every strategy."
+        )
+    return [t / r for t, r in zip(times, reference)]
+
+
+def tie_letters(spreads: Sequence[Spread]) -> list[str]:
+    """Letters per row: rows sharing a letter have overlapping spreads (not distinguishable).
+
+    Example:
+        >>> rows = [Spread(1.0, 1.0, 1.0), Spread(1.3, 1.2, 1.4), Spread(1.35, 1.3, 1.5)]
+        >>> tie_letters(rows)
+        ['a', 'b', 'b']
+        >>> tie_letters([Spread(1.0, 1.0, 1.0), Spread(1.1, 0.9, 1.2), Spread(1.3, 1.15, 1.4)])
+        ['a', 'ab', 'b']
+    """
+    n = len(spreads)
+    # every maximal set of ranges with a common point contains some range's low end
+    cliques = []
+    for k in range(n):
+        point = spreads[k].low
+        members = frozenset(j for j in range(n) if spreads[j].low <= point <= spreads[j].high)
+        cliques.append(members)
+    maximal = {c for c in cliques if not any(c < other for other in cliques)}
+    ordered = sorted(maximal, key=lambda c: (min(spreads[j].median for j in c), sorted(c)))
+    letters = [""] * n
+    for i, clique in enumerate(ordered):
+        for j in sorted(clique):
+            letters[j] += _letter(i)
+    return letters
+
+
+def _letter(i: int) -> str:
+    """a..z, then aa, ab, ... (more than 26 groups only with very many strategies)."""
+    out = ""
+    i += 1
+    while i:
+        i, r = divmod(i - 1, 26)
+        out = chr(ord("a") + r) + out
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Noise:
+    """How much the timing varied in a run, and whether that makes it noisy."""
+
+    reference_spread: float
+    ratio_spread: float
+    load_average: float | None
+    cpus: int
+    noisy: bool
+
+    def describe(self) -> str:
+        """One sentence for the end of the table."""
+        load = (
+            ""
+            if self.load_average is None
+            else f", load average up to {self.load_average:.1f} on {self.cpus} CPUs"
+        )
+        measured = (
+            f"step times of the reference varied {100 * self.reference_spread:.0f}% and time "
+            f"ratios {100 * self.ratio_spread:.0f}% between rounds (interquartile range){load}"
+        )
+        if self.noisy:
+            return (
+                f"Noisy machine: {measured}. Other work shared the CPUs: differences smaller than "
+                "the spread are not meaningful; rerun on a quiet machine or with more --steps."
+            )
+        return f"Timing: {measured}; a quiet run."
+
+
+def noise(
+    reference_times: Sequence[float],
+    ratio_spreads: Sequence[Spread],
+    *,
+    load_average: float | None,
+    cpus: int,
+    wall_clock: bool = True,
+) -> Noise:
+    """Judge a run's timing noise (thresholds in the module docstring).
+
+    The load average counts only for wall-clock timing (a thread's CPU time does not
+    include time the scheduler gave to other processes).
+
+    Example:
+        >>> n = noise([1.0, 1.02, 0.99, 1.01, 1.0], [Spread(1.3, 1.29, 1.31)], load_average=0.2, cpus=2)
+        >>> n.noisy, round(n.reference_spread, 3)
+        (False, 0.01)
+    """
+    ref = spread(reference_times)
+    ref_rel = (ref.high - ref.low) / ref.median if ref.median > 0 else 0.0
+    rels = [(s.high - s.low) / s.median for s in ratio_spreads if s.median > 0]
+    ratio_rel = statistics.median(rels) if rels else 0.0
+    busy = wall_clock and load_average is not None and load_average > cpus
+    return Noise(
+        reference_spread=ref_rel,
+        ratio_spread=ratio_rel,
+        load_average=load_average,
+        cpus=cpus,
+        noisy=ref_rel > NOISY_REFERENCE or ratio_rel > NOISY_RATIO or busy,
+    )
+
+
+def fastest_per_memory(memory: Sequence[float], time_ratio: Sequence[float]) -> list[int]:
+    """Indices of the rows that are fastest at their memory level, least memory first.
+
+    A row is kept when it is strictly faster than every row using no more memory
+    (among rows of equal memory, the fastest; the first on a tie).
+
+    Example:
+        >>> fastest_per_memory([100, 20, 20, 50, 60], [1.0, 1.3, 1.25, 1.1, 1.2])
+        [2, 3, 0]
+    """
+    order = sorted(range(len(memory)), key=lambda i: (memory[i], time_ratio[i], i))
+    out: list[int] = []
+    best = float("inf")
+    for i in order:
+        if time_ratio[i] < best:
+            out.append(i)
+            best = time_ratio[i]
+    return out
