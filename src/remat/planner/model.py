@@ -178,11 +178,13 @@ def derive_blocks(
             if kb is None or start is None:  # no backward window: never the binding term
                 bwd_excess[d] = -(2**62)
                 continue
-            # Above the start the model assumes (keep's start less what was saved), when more
-            # was alive: the last block's output, held by a selective cache but freed after
-            # the loss under keep, would otherwise be missing from the prediction.
+            # Above the start the model assumes (keep's start less what was saved), not the
+            # start measured under d: a selective cache may hold more then (the last block's
+            # output, freed after the loss under keep), and a recomputed block whose last op
+            # saved its output (ReLU) starts lower; both are the block's own and hold for any
+            # plan, so the peak relative to the assumed start is exact.
             assumed = kb - saved[d]
-            bwd_excess[d] = t.bwd_peak[i] - min(start, assumed)
+            bwd_excess[d] = t.bwd_peak[i] - assumed
             if i == n - 1:  # the same for the head, the loss and their backward
                 bwd_excess[d] = max(bwd_excess[d], t.top_peak - assumed)
         out.append(
