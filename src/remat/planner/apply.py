@@ -55,9 +55,7 @@ def apply_decision(module: nn.Module, decision: str) -> None:
 
 def snapshot_state(blocks: dict[str, nn.Module]) -> dict[str, list[tuple[nn.Module, Any]]]:
     """The wrapping state of each block and of its children, for :func:`restore_state`."""
-    return {
-        n: [(x, wrapping_state(x)) for x in [m, *split_children(m)]] for n, m in blocks.items()
-    }
+    return {n: [(x, wrapping_state(x)) for x in [m, *split_children(m)]] for n, m in blocks.items()}
 
 
 def restore_state(

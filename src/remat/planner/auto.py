@@ -24,7 +24,14 @@ from .apply import restore_state, snapshot_state
 from .measure import profile
 from .model import fmt_bytes, parse_budget
 from .plan import Plan, plan
-from .state import StepState, grad_bytes, optimizer_tensors, static_bytes, storage_bytes
+from .state import (
+    StepState,
+    check_step_options,
+    grad_bytes,
+    optimizer_tensors,
+    static_bytes,
+    storage_bytes,
+)
 
 log = logging.getLogger("remat")
 
@@ -51,21 +58,14 @@ def step_peaks(
     """
     check_module(model, "remat.measure_peak")
     check_grad_enabled("remat.measure_peak")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"remat.measure_peak: optimizer must be a torch.optim.Optimizer or None, got "
-            f"{type(optimizer).__name__}. Pass the optimizer your training loop steps."
-        )
-    if not isinstance(set_to_none, bool):
-        raise TypeError(
-            f"remat.measure_peak: set_to_none must be True or False (as in "
-            f"optimizer.zero_grad), got {set_to_none!r}."
-        )
+    check_step_options("remat.measure_peak", optimizer, set_to_none)
     device = device_of(model, (args, kwargs))
     counted = counted_device(device)
     inputs: list[torch.Tensor] = []
     tensors_in((args, kwargs), inputs)
-    state = StepState(model, [t for t in inputs if t.is_leaf and t.requires_grad], optimizer, device)
+    state = StepState(
+        model, [t for t in inputs if t.is_leaf and t.requires_grad], optimizer, device
+    )
     peaks = []
     try:
         state.fresh_optimizer_state()

@@ -53,7 +53,14 @@ from .model import (
     step_peak,
 )
 from .solve import smallest_chain
-from .state import StepState, grad_bytes, optimizer_tensors, static_bytes, storage_bytes
+from .state import (
+    StepState,
+    check_step_options,
+    grad_bytes,
+    optimizer_tensors,
+    static_bytes,
+    storage_bytes,
+)
 from .timing import flop_costs, make_clock, time_blocks
 
 
@@ -219,16 +226,7 @@ def profile(
         raise ValueError(f"remat.profile: timer must be 'time' or 'flops', got {timer!r}.")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"remat.profile: repeats must be an int >= 1, got {repeats!r}.")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"remat.profile: optimizer must be a torch.optim.Optimizer or None, got "
-            f"{type(optimizer).__name__}. Pass the optimizer your training loop steps."
-        )
-    if not isinstance(set_to_none, bool):
-        raise TypeError(
-            f"remat.profile: set_to_none must be True or False (as in optimizer.zero_grad), "
-            f"got {set_to_none!r}."
-        )
+    check_step_options("remat.profile", optimizer, set_to_none)
     device = device_of(model, args)
     if decisions is None:
         decisions = ["keep", "recompute", "selective"] + (

@@ -390,9 +390,7 @@ class StepPeak:
     movable: bool
 
 
-def step_peak(
-    prof: Any, decisions: Sequence[str], spans: Sequence[Sequence[int]] = ()
-) -> StepPeak:
+def step_peak(prof: Any, decisions: Sequence[str], spans: Sequence[Sequence[int]] = ()) -> StepPeak:
     """The peak of one step of the default loop under a plan (first and later steps).
 
     ``prof`` is a :class:`~remat.Profile`; ``spans`` as in :func:`layout`.
@@ -504,7 +502,10 @@ def parse_budget(budget: int | float | str, static: int, unchecked: int) -> int:
     if m:
         unit = (m.group(2) or "B").upper()
         scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}.get(unit) or {
-            "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40
+            "KIB": 2**10,
+            "MIB": 2**20,
+            "GIB": 2**30,
+            "TIB": 2**40,
         }[unit]
         out = int(float(m.group(1)) * scale)
         if out < 1:
@@ -518,5 +519,3 @@ def fmt_bytes(n: int) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n} B"
-
-

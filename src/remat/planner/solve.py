@@ -387,22 +387,6 @@ def solve_milp(
     return out
 
 
-def smallest_plan(blocks: Sequence[BlockCosts], top: int, allowed: Sequence[str]) -> list[str]:
-    """A plan with the smallest predicted activation peak (exact, by a DP with no budget)."""
-    front: dict[int, tuple[int, tuple[str, ...]]] = {0: (0, ())}  # saved -> (peak, decisions)
-    for b, opts in zip(blocks, choices(blocks, allowed)):
-        nxt: dict[int, tuple[int, tuple[str, ...]]] = {}
-        for saved, (peak, ds) in front.items():
-            for d in opts:
-                p = max(peak, b.fwd_start - saved + b.fwd_excess[d])
-                s2 = saved + b.retained["keep"] - b.retained[d]
-                p = max(p, b.bwd_start - s2 + b.bwd_excess[d])
-                if s2 not in nxt or p < nxt[s2][0]:
-                    nxt[s2] = (p, (*ds, d))
-        front = nxt
-    return list(min(front.items(), key=lambda kv: max(kv[1][0], top - kv[0]))[1][1])
-
-
 def smallest_chain(
     blocks: Sequence[BlockCosts], top: int, allowed: Sequence[str], max_span: int
 ) -> tuple[list[str], list[tuple[int, int]]]:
@@ -436,7 +420,7 @@ def smallest_chain(
 
 def smallest_peak(blocks: Sequence[BlockCosts], top: int, allowed: Sequence[str]) -> int:
     """The smallest predicted activation peak any plan reaches."""
-    return predicted_peak(blocks, top, smallest_plan(blocks, top, allowed))
+    return predicted_peak(blocks, top, smallest_chain(blocks, top, allowed, 1)[0])
 
 
 def brute_force(

@@ -69,6 +69,20 @@ def grad_bytes(params: Iterable[torch.Tensor], device: torch.device | None) -> i
     return storage_bytes([p.grad for p in params if p.grad is not None], device)
 
 
+def check_step_options(where: str, optimizer: Any, set_to_none: Any) -> None:
+    """Raise a clear ``TypeError`` for an ``optimizer`` or ``set_to_none`` a step cannot use."""
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"{where}: optimizer must be a torch.optim.Optimizer or None, got "
+            f"{type(optimizer).__name__}. Pass the optimizer your training loop steps."
+        )
+    if not isinstance(set_to_none, bool):
+        raise TypeError(
+            f"{where}: set_to_none must be True or False (as in optimizer.zero_grad), "
+            f"got {set_to_none!r}."
+        )
+
+
 class StepState:
     """Everything a training step changes, recorded now and put back by :meth:`restore`.
 
