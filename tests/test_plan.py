@@ -177,6 +177,38 @@ def test_auto_checkpoint_meets_the_budget_and_keeps_gradients():
         assert torch.equal(a.grad, b.grad)
 
 
+def test_auto_checkpoint_with_a_given_profile_plans_as_if_it_had_profiled(gpt):
+    _, x, prof = gpt
+    a, b = build(CFG), build(CFG)
+    pa = remat.auto_checkpoint(a, x, budget="50%", timer="flops", set_to_none=False)
+    pb = remat.auto_checkpoint(b, x, budget="50%", set_to_none=False, profile=prof)
+    assert pb.budget_bytes == pa.budget_bytes  # same static and unchecked bytes
+    assert pb.decisions == remat.plan(prof, pb.budget_bytes).decisions  # the given profile's
+    assert remat.measure_peak(b, x, set_to_none=False) <= pb.budget_bytes
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        ({"set_to_none": True}, "set_to_none=False, not True"),
+        ({"x": example_input(ModelConfig(seq=16, batch=2, vocab=128))}, "inputs of shapes"),
+        ({"optimizer": "sgd"}, "optimizer=None, not SGD"),
+        ({"check_fn": lambda n, m: n == "blocks.0"}, "candidate blocks"),
+        ({"profile": "prof.json"}, "must be a remat.Profile"),
+    ],
+)
+def test_auto_checkpoint_refuses_a_profile_of_another_model_or_step(gpt, call, match):
+    _, x, prof = gpt
+    model = build(CFG)
+    kwargs = {"set_to_none": False, "profile": prof, **call}
+    x = kwargs.pop("x", x)
+    if kwargs.get("optimizer") == "sgd":
+        kwargs["optimizer"] = torch.optim.SGD(model.parameters(), lr=0.1)
+    error = TypeError if call.get("profile") else ValueError
+    with pytest.raises(error, match=match):
+        remat.auto_checkpoint(model, x, budget="50%", **kwargs)
+
+
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [

@@ -66,7 +66,7 @@ class Preset:
 
 PRESETS = {
     "quick": Preset(4, 128, 64, 2, 4, 256, 5, "a smoke test, about 15 s"),
-    "default": Preset(6, 256, 128, 4, 4, 512, 6, "about 90 seconds"),
+    "default": Preset(6, 256, 128, 4, 4, 512, 6, "about a minute"),
     "large": Preset(6, 384, 256, 4, 6, 512, 9, "every strategy, about 5 minutes"),
 }
 """``remat bench``'s sizes (``--quick``, the default, ``--large``). Times are wall time on

@@ -50,7 +50,8 @@ for every strategy in it and cancels out of the paired ratios."""
 
 WEIGHTS = {
     "build": 0.1,  # build one model and configure it (no planning)
-    "plan": 13.4,  # remat.auto_checkpoint: profile (one thread), plan, measured steps
+    "profile": 30.0,  # remat.profile of the first auto-N% strategy (one thread, 3 repeats)
+    "plan": 4.0,  # remat.auto_checkpoint with that profile: plan, measured steps, fallback
     "grad": 1.2,  # the gradient-check step (cold for its model)
     "memory": 1.6,  # a step under remat.memory.track
     "step": 1.07,  # one timed step, averaged over the default strategies
@@ -154,7 +155,8 @@ def work(strategies: Sequence[Strategy], rounds: int, warmup: int = WARMUP) -> f
     n = len(strategies)
     plans = sum(1 for s in strategies if s.plans)
     steps = WEIGHTS["grad"] + WEIGHTS["memory"] + (warmup + rounds) * WEIGHTS["step"]
-    return n * (WEIGHTS["build"] + steps) + plans * WEIGHTS["plan"]
+    profiling = WEIGHTS["profile"] if plans else 0.0  # one profile serves every auto-N%
+    return n * (WEIGHTS["build"] + steps) + plans * WEIGHTS["plan"] + profiling
 
 
 def _sync(device: torch.device) -> None:
@@ -225,6 +227,7 @@ def run(
     models: dict[str, torch.nn.Module] = {}
     details: dict[str, dict[str, Any]] = {}
     ref_step = 0.0
+    profiled = False
     for s in ordered:
         m = build(cfg, device)
         m.train()
@@ -239,7 +242,11 @@ def run(
             ref_step = now() - t0
             if calibrated is not None:
                 calibrated(ref_step, time.perf_counter() - w0)
-        tick(f"configure {s.name}", WEIGHTS["build"] + (WEIGHTS["plan"] if s.plans else 0.0))
+        weight = WEIGHTS["build"]
+        if s.plans:
+            weight += WEIGHTS["plan"] + (0.0 if profiled else WEIGHTS["profile"])
+            profiled = True
+        tick(f"configure {s.name}", weight)
     # gradient check, from the same RNG seed
     grads: dict[str, list[torch.Tensor]] = {}
     for s in strategies:

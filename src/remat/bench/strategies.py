@@ -162,7 +162,7 @@ def registry() -> dict[str, Strategy]:
 
 
 def _extra_strategies() -> list[Strategy]:
-    """The module wrapper and the planner at three budgets."""
+    """The module wrapper and the planner at three budgets (sharing one profile)."""
     from .._wrap import checkpoint_wrapper
 
     def _wrapper(model: nn.Module, example: Any) -> None:
@@ -178,12 +178,13 @@ def _extra_strategies() -> list[Strategy]:
         Strategy("wrapper", "remat.checkpoint_wrapper on every block", _wrapper),
         Strategy("wrapper-2nd", "remat.checkpoint_wrapper on every 2nd block", _wrapper2),
     ]
+    profiles: dict[Any, Any] = {}  # one profile per model for every auto-N% strategy
     for pct in AUTO_BUDGETS:
         out.append(
             Strategy(
                 f"auto-{pct}%",
                 f'remat.auto_checkpoint(model, x, budget="{pct}%")',
-                functools.partial(auto, pct=pct),
+                functools.partial(auto, pct=pct, profiles=profiles),
                 plans=True,
             )
         )
@@ -194,8 +195,31 @@ AUTO_BUDGETS = (30, 50, 70)
 """The budgets of the ``auto-N%`` strategies."""
 
 
-def auto(model: nn.Module, example: Any, *, pct: float) -> dict[str, Any]:
+def model_key(model: nn.Module, example: Any) -> tuple[Any, ...]:
+    """What identifies a benchmark model for sharing its profile: class, parameter names
+    and shapes, input shape (models built from one config with one seed share it).
+
+    Example:
+        >>> import torch
+        >>> a, b = torch.nn.Linear(2, 3), torch.nn.Linear(2, 3)
+        >>> model_key(a, torch.ones(1, 2)) == model_key(b, torch.ones(1, 2))
+        True
+        >>> model_key(a, torch.ones(1, 2)) == model_key(a, torch.ones(5, 2))
+        False
+    """
+    params = tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
+    shape = tuple(example.shape) if isinstance(example, torch.Tensor) else repr(example)
+    return (type(model).__name__, params, shape)
+
+
+def auto(
+    model: nn.Module, example: Any, *, pct: float, profiles: dict[Any, Any] | None = None
+) -> dict[str, Any]:
     """``remat.auto_checkpoint(model, example, budget=f"{pct}%")``; returns the plan.
+
+    ``profiles`` caches :func:`remat.profile` by :func:`model_key`: the ``auto-N%``
+    strategies of one run build identical models, so one profile serves every budget
+    (passed as ``auto_checkpoint(..., profile=...)``); profiling is most of the cost.
 
     When no plan reaches the budget (``remat.PlanError``; a small model, or a budget
     below what checkpointing every block saves), the smallest reachable budget is found
@@ -208,11 +232,15 @@ def auto(model: nn.Module, example: Any, *, pct: float) -> dict[str, Any]:
     import remat
 
     budget = f"{pct:g}%"
+    key = model_key(model, example)
+    cache = {} if profiles is None else profiles
+    if key not in cache:
+        cache[key] = remat.profile(model, example)
+    prof = cache[key]
     try:
-        chosen = remat.auto_checkpoint(model, example, budget=budget, quiet=True)
+        chosen = remat.auto_checkpoint(model, example, budget=budget, quiet=True, profile=prof)
         note = None
     except remat.PlanError:
-        prof = remat.profile(model, example)
         reach = smallest_reachable_percent(prof, lambda b: remat.plan(prof, b))
         chosen = remat.plan(prof, f"{reach}%")
         chosen.apply(model)

@@ -1,6 +1,6 @@
 """``remat bench``: the memory/time trade-off of each strategy on a built-in model.
 
-The default run is sized to finish in about 90 seconds on a quiet 2-core CPU
+The default run is sized to finish in about a minute on a quiet 2-core CPU
 (``--quick``: a smoke test; ``--large``: the bigger model and every strategy).
 It prints a time estimate after timing one step, a table with the spread of every
 row, ties and a recommendation, and writes the JSON and the picture to
@@ -45,7 +45,7 @@ def add_parser(sub: Any) -> None:
     """Register ``bench`` on the subparsers object of ``remat``'s parser."""
     p = sub.add_parser(
         "bench",
-        help="benchmark checkpointing strategies on a built-in model (about 90 seconds)",
+        help="benchmark checkpointing strategies on a built-in model (about a minute)",
         description=(
             "Run checkpointing strategies on a built-in model and print peak memory, activation "
             "memory, step time, their ratios to no checkpointing with their spread, and which "

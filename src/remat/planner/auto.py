@@ -21,7 +21,8 @@ from .._modelinfo import (
 )
 from .._tree import tensors_in
 from .apply import restore_state, snapshot_state
-from .measure import profile
+from .measure import Profile
+from .measure import profile as measure_profile
 from .model import fmt_bytes, parse_budget
 from .plan import Plan, plan
 from .state import (
@@ -145,6 +146,55 @@ def measure_peak(
     )
 
 
+def check_profile_matches(
+    prof: Any,
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    optimizer: torch.optim.Optimizer | None,
+    set_to_none: bool,
+    check_fn: Callable[[str, nn.Module], bool] | None,
+) -> None:
+    """Raise ``ValueError`` unless ``prof`` was measured for this model and step.
+
+    Example:
+        >>> import torch, remat
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        >>> prof = remat.profile(model, torch.randn(2, 4), timer="flops")
+        >>> check_profile_matches(prof, model, (torch.randn(2, 4),), {}, None, True, None)
+        >>> check_profile_matches(prof, model, (torch.randn(3, 4),), {}, None, True, None)
+        Traceback (most recent call last):
+        ...
+        ValueError: remat.auto_checkpoint: profile= was measured for inputs of shapes [[2, 4]], not [[3, 4]]; profile this model with these inputs (or pass profile=None).
+    """
+    if not isinstance(prof, Profile):
+        raise TypeError(
+            f"remat.auto_checkpoint: profile= must be a remat.Profile (from remat.profile), "
+            f"got {type(prof).__name__}."
+        )
+    names = [b.name for b in prof.blocks]
+    want = list(candidates(model, check_fn))
+    problems = []
+    if names != want:
+        problems.append(f"blocks {names}, not this model's candidate blocks {want}")
+    found: list[torch.Tensor] = []
+    tensors_in((args, kwargs), found)
+    shapes = [list(t.shape) for t in found]
+    if shapes != prof.input_shapes:
+        problems.append(f"inputs of shapes {prof.input_shapes}, not {shapes}")
+    opt = type(optimizer).__name__ if optimizer is not None else None
+    if opt != prof.optimizer:
+        problems.append(f"optimizer={prof.optimizer}, not {opt}")
+    if prof.grads_kept == set_to_none:
+        problems.append(f"set_to_none={not prof.grads_kept}, not {set_to_none}")
+    if problems:
+        raise ValueError(
+            "remat.auto_checkpoint: profile= was measured for "
+            + "; ".join(problems)
+            + "; profile this model with these inputs (or pass profile=None)."
+        )
+
+
 def auto_checkpoint(
     model: nn.Module,
     *args: Any,
@@ -155,6 +205,7 @@ def auto_checkpoint(
     check_fn: Callable[[str, nn.Module], bool] | None = None,
     timer: str = "time",
     quiet: bool = False,
+    profile: Profile | None = None,
     **kwargs: Any,
 ) -> Plan:
     """Profile, plan for ``budget``, apply in place, and check real steps.
@@ -180,6 +231,10 @@ def auto_checkpoint(
         check_fn: picks the candidate blocks (default: the repeated blocks).
         timer: ``"time"`` or ``"flops"`` (see :func:`remat.profile`).
         quiet: do not log re-planning.
+        profile: a :class:`~remat.Profile` of this model measured before (by
+            :func:`remat.profile` with the same inputs, optimizer, ``set_to_none``
+            and ``check_fn``), to plan several budgets without profiling again;
+            ``timer`` is then unused. ``None``: profile now.
         **kwargs: keyword inputs of the model.
 
     Returns:
@@ -202,16 +257,20 @@ def auto_checkpoint(
     """
     check_module(model, "remat.auto_checkpoint")
     check_grad_enabled("remat.auto_checkpoint")
-    prof = profile(
-        model,
-        *args,
-        optimizer=optimizer,
-        set_to_none=set_to_none,
-        loss_fn=loss_fn,
-        check_fn=check_fn,
-        timer=timer,
-        **kwargs,
-    )
+    if profile is None:
+        prof = measure_profile(
+            model,
+            *args,
+            optimizer=optimizer,
+            set_to_none=set_to_none,
+            loss_fn=loss_fn,
+            check_fn=check_fn,
+            timer=timer,
+            **kwargs,
+        )
+    else:
+        prof = profile
+        check_profile_matches(prof, model, args, kwargs, optimizer, set_to_none, check_fn)
     target = parse_budget(budget, prof.static_step_bytes, prof.unchecked_peak_bytes)
     chosen = plan(prof, target)
     blocks = {n: model.get_submodule(n) for n in candidates(model, check_fn)}
