@@ -8,7 +8,7 @@ import torch
 from remat.bench.models import PRESETS, ModelConfig, build, example_input, param_bytes
 from remat.bench.report import format_table
 from remat.bench.runner import run, work
-from remat.bench.strategies import DEFAULT, registry
+from remat.bench.strategies import DEEP, DEFAULT, registry
 
 CFG = ModelConfig(layers=3, d_model=32, seq=16, batch=2, heads=2, vocab=64)
 
@@ -115,8 +115,42 @@ def test_auto_strategy_falls_back_to_the_smallest_reachable_budget_with_a_note()
 
 def test_default_strategies_are_registered():
     reg = registry()
-    assert set(DEFAULT) <= set(reg)
-    assert [s.name for s in reg.values() if s.plans] == ["auto-30%", "auto-50%", "auto-70%"]
+    assert set(DEFAULT) <= set(reg) and set(DEEP) <= set(reg)
+    assert [s.name for s in reg.values() if s.plans] == [
+        "auto-30%",
+        "auto-50%",
+        "auto-70%",
+        "auto-floor-80%",
+        "auto-floor-60%",
+    ]
+
+
+def test_auto_strategies_of_one_run_profile_the_model_once(monkeypatch):
+    import remat
+
+    calls = []
+    real = remat.profile
+    monkeypatch.setattr(remat, "profile", lambda *a, **k: calls.append(1) or real(*a, **k))
+    reg = registry()
+    x = example_input(CFG)
+    for name in ("auto-50%", "auto-70%", "auto-floor-80%"):
+        reg[name].configure(build(CFG), x)
+    assert len(calls) == 1
+
+
+def test_below_floor_strategy_plans_under_the_every_block_peak_or_says_it_cannot():
+    import remat
+    from remat.bench.strategies import auto_below_floor, floor_budget
+
+    model, x = build(CFG), example_input(CFG)
+    profiles: dict = {}
+    details = auto_below_floor(model, x, pct=60, profiles=profiles)
+    (prof,) = profiles.values()
+    if details["note"] is None:
+        assert remat.measure_peak(model, x) <= floor_budget(prof, 60)
+    else:
+        assert "no plan reaches 60% of the every-block activations" in details["note"]
+        assert prof.floor_bytes > floor_budget(prof, 60)
 
 
 def test_device_strategies_give_the_reference_gradients_on_a_simulated_device():
@@ -139,3 +173,11 @@ def test_device_runs_report_device_activation_bytes_and_host_bytes_apart():
     t = SimpleNamespace(peak_bytes=700, peak_bytes_by_device={"cuda:1": 500, "cpu": 200})
     assert device_and_host_peaks(t, torch.device("cuda", 1)) == (500, 200)
     assert device_and_host_peaks(t, torch.device("cpu")) == (700, 0)
+
+
+def test_deep_preset_runs_the_floor_comparison_by_default():
+    from remat.cli.bench import _strategies
+
+    chosen, skipped = _strategies(None, torch.device("cpu"), "deep")
+    assert [s.name for s in chosen] == list(DEEP) and skipped == []
+    assert "torch-2nd" in DEEP and any(n.startswith("auto-floor-") for n in DEEP)

@@ -36,6 +36,9 @@ class ModelConfig:
     heads: int = 4
     vocab: int = 512
     dropout: float = 0.1
+    attn_dropout: float | None = None
+    """Dropout on the attention weights (gpt); ``None``: ``dropout``. ``0.0`` keeps
+    ``scaled_dot_product_attention`` on its fused path (no ``seq x seq`` matrices saved)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +53,7 @@ class Preset:
     vocab: int
     rounds: int
     about: str
+    attn_dropout: float | None = None
 
     def config(self, model: str = "gpt") -> ModelConfig:
         """The :class:`ModelConfig` of this size for ``model``."""
@@ -61,6 +65,7 @@ class Preset:
             batch=self.batch,
             heads=self.heads,
             vocab=self.vocab,
+            attn_dropout=self.attn_dropout,
         )
 
 
@@ -68,6 +73,9 @@ PRESETS = {
     "quick": Preset(4, 128, 64, 2, 4, 256, 5, "a smoke test, about 15 s"),
     "default": Preset(6, 256, 128, 4, 4, 512, 6, "about a minute"),
     "large": Preset(6, 384, 256, 4, 6, 512, 9, "every strategy, about 5 minutes"),
+    "deep": Preset(
+        16, 128, 1024, 2, 4, 256, 3, "plans below the every-block floor, about 4 minutes", 0.0
+    ),
 }
 """``remat bench``'s sizes (``--quick``, the default, ``--large``). Times are wall time on
 the project's 2-core CPU machine when it is quiet (docs/BENCHMARKS.md)."""
@@ -94,10 +102,10 @@ class Attention(nn.Module):
 class GPTBlock(nn.Module):
     """Pre-LN transformer block: attention and a 4x GELU MLP, each with dropout."""
 
-    def __init__(self, d: int, heads: int, dropout: float) -> None:
+    def __init__(self, d: int, heads: int, dropout: float, attn_dropout: float | None = None) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(d)
-        self.attn = Attention(d, heads, dropout)
+        self.attn = Attention(d, heads, dropout if attn_dropout is None else attn_dropout)
         self.ln2 = nn.LayerNorm(d)
         self.fc = nn.Linear(d, 4 * d)
         self.out = nn.Linear(4 * d, d)
@@ -121,7 +129,8 @@ class GPT(nn.Module):
         self.embed = nn.Embedding(cfg.vocab, cfg.d_model)
         self.pos = nn.Parameter(torch.randn(cfg.seq, cfg.d_model) * 0.02)
         self.blocks = nn.ModuleList(
-            GPTBlock(cfg.d_model, cfg.heads, cfg.dropout) for _ in range(cfg.layers)
+            GPTBlock(cfg.d_model, cfg.heads, cfg.dropout, cfg.attn_dropout)
+            for _ in range(cfg.layers)
         )
         self.ln = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)

@@ -146,6 +146,9 @@ def registry() -> dict[str, Strategy]:
         ),
         Strategy("torch-full", "torch.utils.checkpoint on every block", _set_runner(_torch_full)),
         Strategy(
+            "torch-2nd", "torch.utils.checkpoint on every 2nd block", _set_runner(_torch_full, 2)
+        ),
+        Strategy(
             "torch-selective",
             "torch selective checkpointing, same op list",
             _set_runner(_torch_selective),
@@ -188,7 +191,72 @@ def _extra_strategies() -> list[Strategy]:
                 plans=True,
             )
         )
+    for pct in FLOOR_BUDGETS:
+        out.append(
+            Strategy(
+                f"auto-floor-{pct}%",
+                f"remat.auto_checkpoint, budget: static bytes + {pct}% of the activations of "
+                "checkpointing every block (below the per-block floor)",
+                functools.partial(auto_below_floor, pct=pct, profiles=profiles),
+                plans=True,
+            )
+        )
     return out
+
+
+FLOOR_BUDGETS = (80, 60)
+"""The ``auto-floor-N%`` strategies: budgets below what checkpointing every block reaches."""
+
+
+def floor_budget(prof: Any, pct: float) -> int:
+    """Static bytes plus ``pct``% of the activation bytes of checkpointing every block, in
+    the planner's units (the predicted step peak of ``recompute`` on every block).
+
+    Example:
+        >>> import torch, remat
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
+        >>> prof = remat.profile(model, torch.randn(64, 8), timer="flops")
+        >>> every = prof.peak(["recompute"] * 3).bytes
+        >>> floor_budget(prof, 100) == every
+        True
+        >>> prof.static_step_bytes < floor_budget(prof, 50) < every
+        True
+    """
+    every = prof.peak(["recompute"] * len(prof.blocks)).bytes
+    static = prof.static_step_bytes
+    return static + int((every - static) * pct / 100)
+
+
+def auto_below_floor(
+    model: nn.Module, example: Any, *, pct: float, profiles: dict[Any, Any] | None = None
+) -> dict[str, Any]:
+    """``remat.auto_checkpoint`` with the budget of :func:`floor_budget` (spans of blocks,
+    split blocks); returns the plan and the budget in bytes.
+
+    When no plan reaches it, the plan with the smallest predicted peak is applied, with a
+    note saying how far below the floor that is (the table footnotes it).
+    """
+    import remat
+
+    key = model_key(model, example)
+    cache = {} if profiles is None else profiles
+    if key not in cache:
+        cache[key] = remat.profile(model, example)
+    prof = cache[key]
+    budget = floor_budget(prof, pct)
+    try:
+        chosen = remat.auto_checkpoint(model, example, budget=budget, quiet=True, profile=prof)
+        note = None
+    except remat.PlanError:
+        chosen = remat.plan(prof, prof.floor_bytes)
+        chosen.apply(model)
+        every = floor_budget(prof, 100) - prof.static_step_bytes
+        reach = 100 * (prof.floor_bytes - prof.static_step_bytes) / max(every, 1)
+        note = (
+            f"no plan reaches {pct}% of the every-block activations (remat.PlanError); the "
+            f"plan with the smallest predicted peak, {reach:.0f}% of them, was used"
+        )
+    return {"budget": f"{budget} bytes", "plan": json.loads(chosen.to_json()), "note": note}
 
 
 AUTO_BUDGETS = (30, 50, 70)
@@ -307,3 +375,15 @@ DEFAULT = (
 )
 """What ``remat bench`` runs by default (on CPU without the device-only ones): remat's
 main strategies, torch's for comparison and the planner at three budgets."""
+
+DEEP = (
+    "none",
+    "full",
+    "every-2nd",
+    "torch-full",
+    "torch-2nd",
+    "auto-floor-80%",
+    "auto-floor-60%",
+)
+"""What ``remat bench --deep`` runs: checkpointing every (2nd) block, remat's and torch's,
+and plans below that per-block floor."""

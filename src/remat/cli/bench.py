@@ -1,7 +1,8 @@
 """``remat bench``: the memory/time trade-off of each strategy on a built-in model.
 
 The default run is sized to finish in about a minute on a quiet 2-core CPU
-(``--quick``: a smoke test; ``--large``: the bigger model and every strategy).
+(``--quick``: a smoke test; ``--large``: the bigger model and every strategy;
+``--deep``: a deep long-sequence model where plans go below checkpointing every block).
 It prints a time estimate after timing one step, a table with the spread of every
 row, ties and a recommendation, and writes the JSON and the picture to
 ``remat-bench/`` (``--out``), printing both paths.
@@ -31,7 +32,7 @@ import torch
 from ..bench import report
 from ..bench.models import MODELS, PRESETS, ModelConfig, build, estimate_step_bytes, param_bytes
 from ..bench.runner import Result, environment, run, work
-from ..bench.strategies import DEFAULT, Strategy, registry
+from ..bench.strategies import DEEP, DEFAULT, Strategy, registry
 from ._usage import RunError, UsageError, check_output_path, write_text
 
 PLOT_FORMATS = (".png", ".pdf", ".svg")
@@ -51,7 +52,7 @@ def add_parser(sub: Any) -> None:
             "memory, step time, their ratios to no checkpointing with their spread, and which "
             f"strategy to pick. Writes {OUT_DIR}/bench.json and {OUT_DIR}/bench.png. The default "
             f"run takes {PRESETS['default'].about} on a 2-core CPU; --quick {PRESETS['quick'].about}; "
-            f"--large: {PRESETS['large'].about}."
+            f"--large: {PRESETS['large'].about}; --deep: {PRESETS['deep'].about}."
         ),
     )
     size = p.add_mutually_exclusive_group()
@@ -66,6 +67,14 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help=f"the bigger model (6 layers, d-model 384, seq 256) and every strategy "
         f"({PRESETS['large'].about})",
+    )
+    deep = PRESETS["deep"]
+    size.add_argument(
+        "--deep",
+        action="store_true",
+        help=f"a deep long-sequence gpt ({deep.layers} layers, d-model {deep.d_model}, seq "
+        f"{deep.seq}, fused attention) with checkpointing every (2nd) block, remat's and torch's, "
+        f"beside plans below that per-block floor ({deep.about})",
     )
     p.add_argument(
         "--model", default="gpt", help=f"built-in model: {', '.join(MODELS)} (default gpt)"
@@ -134,7 +143,9 @@ def _config(args: argparse.Namespace) -> tuple[ModelConfig, int, str]:
         raise UsageError(
             f"--model: unknown model {args.model!r}; choose one of: {', '.join(MODELS)}."
         )
-    size = "quick" if args.quick else "large" if args.large else "default"
+    size = (
+        "quick" if args.quick else "large" if args.large else "deep" if args.deep else "default"
+    )
     preset = PRESETS[size]
     cfg = preset.config(args.model)
     steps = preset.rounds
@@ -204,13 +215,15 @@ def _threads(n: int) -> int:
 
 
 def _strategies(
-    arg: str | None, device: torch.device, large: bool
+    arg: str | None, device: torch.device, size: str
 ) -> tuple[list[Strategy], list[dict[str, str]]]:
     """The strategies to run, and the ones left out because they need a device."""
     reg = registry()
     reason = "needs a device (on a CPU-only setup tensors already live in host memory)"
     if arg is None or arg.strip() == "all":
-        names = list(reg) if large or arg is not None else [n for n in DEFAULT if n in reg]
+        default = DEEP if size == "deep" else DEFAULT
+        every = size == "large" or arg is not None
+        names = list(reg) if every else [n for n in default if n in reg]
         skipped = [n for n in names if reg[n].device_only and device.type == "cpu"]
         chosen = [reg[n] for n in names if n not in skipped]
         return chosen, [{"strategy": n, "reason": reason} for n in skipped]
@@ -311,7 +324,7 @@ def _main(args: argparse.Namespace) -> int:
     cfg, steps, size = _config(args)
     device = _device(args.device)
     threads = None if args.threads is None else _threads(args.threads)
-    strategies, skipped = _strategies(args.strategies, device, size == "large")
+    strategies, skipped = _strategies(args.strategies, device, size)
     json_path, plot_path = _outputs(args)
     if threads is None and device.type == "cpu":
         threads = 1
