@@ -293,7 +293,8 @@ def _leaves(t: torch.Tensor) -> list[torch.Tensor]:
     """The plain tensors that hold the memory of a sparse tensor or a tensor subclass."""
     if is_traceable_wrapper_subclass(t):
         names, _ = t.__tensor_flatten__()
-        return [x for n in names for x in _leaves(getattr(t, n))]
+        inner = [getattr(t, n) for n in names]  # some subclasses list a DeviceMesh too
+        return [x for i in inner if isinstance(i, torch.Tensor) for x in _leaves(i)]
     parts = _SPARSE_PARTS.get(t.layout)
     if parts is not None:
         with torch._C._DisableTorchDispatch():
