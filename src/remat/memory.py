@@ -64,7 +64,7 @@ import contextlib
 import dataclasses
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -129,6 +129,8 @@ class MemoryTracker:
         self._live: dict[int, _StorageRef] = {}
         self._freed: collections.deque[_StorageRef] = collections.deque()
         self._windows: list[Window] = []
+        self._watched: list[list[Any]] = []  # [storage, bytes last seen, device]
+        self._watched_keys: set[int] = set()
 
     @property
     def current_bytes(self) -> int:
@@ -173,9 +175,42 @@ class MemoryTracker:
     def close_window(self, window: Window) -> int:
         """Stop measuring ``window``; return the peak bytes alive while it was open."""
         with self._lock:
+            self._apply_frees()
             if window in self._windows:
                 self._windows.remove(window)
         return window.peak
+
+    def watch(self, storages: Iterable[torch.UntypedStorage]) -> None:
+        """Also count the size changes of ``storages``: storages that exist already and are
+        resized in place by ``UntypedStorage.resize_``, which no operator sees (FSDP2's
+        unsharded parameters: resized to full size before a module runs, to 0 after).
+
+        Their bytes at this call are not counted (they existed before, like every
+        storage the tracker did not see allocated); each later change of their size
+        is, read before every operator's outputs are recorded and whenever the
+        counters or a window are read. A storage grown and shrunk again with no
+        operator in between is not seen.
+
+        Example:
+            >>> import torch, remat
+            >>> buf = torch.empty(0)
+            >>> with remat.memory.track() as t:
+            ...     t.watch([buf.untyped_storage()])
+            ...     _ = buf.untyped_storage().resize_(400)  # no operator: seen by the watch
+            ...     x = torch.ones(25)                       # 100 bytes
+            ...     _ = buf.untyped_storage().resize_(0)
+            >>> t.peak_bytes, t.current_bytes
+            (500, 100)
+        """
+        with self._lock:
+            self._apply_frees()
+            for st in storages:
+                device = _device_key(st.device)
+                if self.device is not None and device != self.device:
+                    continue
+                if st._cdata not in self._watched_keys:
+                    self._watched_keys.add(st._cdata)
+                    self._watched.append([st, st.nbytes(), device])
 
     def __repr__(self) -> str:
         return (
@@ -192,6 +227,22 @@ class MemoryTracker:
                 del self._live[ref.key]
                 self._current -= ref.nbytes
                 self._by_device[ref.device] -= ref.nbytes
+        if self._watched:
+            self._poll()
+
+    def _poll(self) -> None:  # caller holds the lock
+        """Count the size changes of the watched storages: shrinks first, then growths."""
+        grown = []
+        for w in self._watched:
+            n = w[0].nbytes()
+            if n != w[1]:
+                delta, w[1] = n - w[1], n
+                if delta < 0:
+                    self._grow(delta, w[2])
+                else:
+                    grown.append((delta, w[2]))
+        for delta, device in grown:
+            self._grow(delta, device)
 
     def _knows(self, key: int) -> _StorageRef | None:
         ref = self._live.get(key)
@@ -242,7 +293,8 @@ def _leaves(t: torch.Tensor) -> list[torch.Tensor]:
     """The plain tensors that hold the memory of a sparse tensor or a tensor subclass."""
     if is_traceable_wrapper_subclass(t):
         names, _ = t.__tensor_flatten__()
-        return [x for n in names for x in _leaves(getattr(t, n))]
+        inner = [getattr(t, n) for n in names]  # some subclasses list a DeviceMesh too
+        return [x for i in inner if isinstance(i, torch.Tensor) for x in _leaves(i)]
     parts = _SPARSE_PARTS.get(t.layout)
     if parts is not None:
         with torch._C._DisableTorchDispatch():
@@ -277,6 +329,10 @@ class _TrackMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        tracker = self.tracker
+        if tracker._watched:  # resizes since the last operator, before this one allocates
+            with tracker._lock:
+                tracker._apply_frees()
         out = func(*args, **kwargs)
         if type(out) in _PLAIN and out.layout is torch.strided:
             self._record((out,), func, args, kwargs)
@@ -315,6 +371,8 @@ class _TrackMode(TorchDispatchMode):
                         _input_keys(kwargs.values(), inputs)
                     if key in inputs:
                         continue
+                if key in tracker._watched_keys:  # counted by its size changes
+                    continue
                 tracker._add(st, key, device)
 
 

@@ -21,10 +21,12 @@ from .._modelinfo import (
 )
 from .._tree import tensors_in
 from .apply import restore_state, snapshot_state
+from .distributed import active, agree_max, agree_min, agree_profile, agree_same
 from .measure import Profile
 from .measure import profile as measure_profile
 from .model import fmt_bytes, parse_budget
 from .plan import Plan, plan
+from .sharded import unsharded_storages
 from .state import (
     StepState,
     check_step_options,
@@ -70,6 +72,7 @@ def step_peaks(
     peaks = []
     try:
         state.fresh_optimizer_state()
+        storages = unsharded_storages(model)  # FSDP2: every rank (a collective)
         if not set_to_none:  # the gradients exist before the step, as in the user's loop
             state.reset_rng()
             loss_of(model(*args, **kwargs), loss_fn, "remat.measure_peak").backward()
@@ -81,11 +84,12 @@ def step_peaks(
                     t.grad.detach_().zero_()
             base = (
                 static_bytes(model, (args, kwargs), counted)
-                + grad_bytes(state.params, counted)
+                + grad_bytes(state.grad_params, counted)
                 + storage_bytes(optimizer_tensors(optimizer), counted)
             )
             state.reset_rng()
             with memory.track(counted) as tracker:
+                tracker.watch(storages)
                 out = model(*args, **kwargs)
                 loss = loss_of(out, loss_fn, "remat.measure_peak")
                 loss.backward()
@@ -206,6 +210,7 @@ def auto_checkpoint(
     timer: str = "time",
     quiet: bool = False,
     profile: Profile | None = None,
+    distributed: bool | None = None,
     **kwargs: Any,
 ) -> Plan:
     """Profile, plan for ``budget``, apply in place, and check real steps.
@@ -235,6 +240,13 @@ def auto_checkpoint(
             :func:`remat.profile` with the same inputs, optimizer, ``set_to_none``
             and ``check_fn``), to plan several budgets without profiling again;
             ``timer`` is then unused. ``None``: profile now.
+        distributed: ``None`` (default): under a ``torch.distributed`` process group
+            of two or more ranks (DDP, FSDP2), every rank calls ``auto_checkpoint``
+            and all of them apply the same plan: the profile is agreed (see
+            :func:`remat.profile`), the budget in bytes is the smallest any rank
+            asked for, and each measured peak is the largest over the ranks, so
+            every rank re-plans (or gives up) together. The budget is one rank's
+            step peak. ``False``: this rank alone.
         **kwargs: keyword inputs of the model.
 
     Returns:
@@ -257,6 +269,7 @@ def auto_checkpoint(
     """
     check_module(model, "remat.auto_checkpoint")
     check_grad_enabled("remat.auto_checkpoint")
+    agree = active(distributed)
     if profile is None:
         prof = measure_profile(
             model,
@@ -266,22 +279,29 @@ def auto_checkpoint(
             loss_fn=loss_fn,
             check_fn=check_fn,
             timer=timer,
+            distributed=distributed,
             **kwargs,
         )
     else:
-        prof = profile
-        check_profile_matches(prof, model, args, kwargs, optimizer, set_to_none, check_fn)
+        check_profile_matches(profile, model, args, kwargs, optimizer, set_to_none, check_fn)
+        prof = agree_profile(profile) if agree else profile  # a no-op on an agreed profile
     target = parse_budget(budget, prof.static_step_bytes, prof.unchecked_peak_bytes)
+    if agree:
+        (target,) = agree_min([target])
     chosen = plan(prof, target)
     blocks = {n: model.get_submodule(n) for n in candidates(model, check_fn)}
     wrapping = snapshot_state(blocks)
     goal = target
     measured = 0
     for attempt in range(4):
+        if agree:  # plan() is deterministic on the agreed profile; checked all the same
+            agree_same((chosen.decisions, chosen.spans), "the plan's decisions")
         chosen.apply(model)
         measured = measure_peak(
             model, *args, optimizer=optimizer, set_to_none=set_to_none, loss_fn=loss_fn, **kwargs
         )
+        if agree:  # every rank takes the same branch below
+            (measured,) = agree_max([measured])
         if measured <= target:
             chosen.budget_bytes = target
             return chosen

@@ -43,6 +43,7 @@ from .._modelinfo import (
 )
 from .._tree import tensors_in
 from .apply import apply_decision, can_split, restore_state, snapshot_state
+from .distributed import active, agree_profile, agree_same
 from .model import (
     DECISIONS,
     BlockCosts,
@@ -52,6 +53,7 @@ from .model import (
     equalize_costs,
     step_peak,
 )
+from .sharded import is_ddp, reshard, unsharded_storages
 from .solve import smallest_chain
 from .state import (
     StepState,
@@ -170,6 +172,7 @@ def profile(
     timer: str = "time",
     repeats: int = 3,
     threads: int | None = 1,
+    distributed: bool | None = None,
     **kwargs: Any,
 ) -> Profile:
     """Measure a training step and each candidate block under each decision.
@@ -210,6 +213,16 @@ def profile(
             time, the steadiest numbers; another number sets torch's threads and
             ``None`` keeps them, both with wall time, closer to a multi-threaded
             training run.
+        distributed: ``None`` (default): when a ``torch.distributed`` process group of
+            two or more ranks is initialized, every rank of it must call ``profile``
+            with the same model and inputs of the same shapes; the ranks run the
+            same steps in lockstep, check that they profile the same blocks and
+            decisions, and return the same profile, each number the largest over
+            the ranks (see :mod:`remat.planner.distributed`), so that
+            :func:`remat.plan` chooses one plan for all of them. ``False``: this
+            rank alone (a model that is not data-parallel). Bytes are one rank's
+            (FSDP2's shards and unsharded parameters, DDP's buckets: see
+            :mod:`remat.planner.sharded`).
         **kwargs: keyword inputs of the model.
 
     Example:
@@ -246,6 +259,9 @@ def profile(
             "memory); drop it from decisions."
         )
     names = candidates(model, check_fn)
+    agree = active(distributed)
+    if agree:  # before any step: ranks that would run different steps would hang
+        agree_same((names, list(decisions), repeats, timer), "the blocks, decisions and steps")
     blocks = {n: model.get_submodule(n) for n in names}
     splittable = {n for n, m in blocks.items() if can_split(m)}
     if "split" in decisions and not splittable:
@@ -260,7 +276,7 @@ def profile(
     leaves = [t for t in inputs if t.is_leaf and t.requires_grad]
     wrapping = snapshot_state(blocks)
     state = StepState(model, leaves, optimizer, device)
-    params = state.params
+    params = state.grad_params
     step_costs: list[float] = []
     clock_now = time.thread_time if device.type == "cpu" and threads == 1 else time.perf_counter
 
@@ -304,6 +320,9 @@ def profile(
             for ch in count_handles:
                 ch.remove()
         calls.check(names)
+        if is_ddp(model):  # DDP rebuilds its buckets in the second step: not in a measured one
+            step()
+        storages = unsharded_storages(model)
         gbytes = grad_bytes(params, counted)
         clock = make_clock(device, threads) if timer == "time" else None
         for d in decisions:
@@ -312,6 +331,7 @@ def profile(
             clear_grads()
             # Memory: bytes do not depend on threads, so this step runs at full speed.
             with memory.track(counted) as tracker:
+                tracker.watch(storages)
                 watch = _Windows(tracker, names, blocks, params if set_to_none else [], counted)
                 try:
                     step(watch)
@@ -334,6 +354,7 @@ def profile(
     finally:
         restore_state(blocks, wrapping)
         state.restore()
+        reshard(model)  # the step's start: FSDP2's parameters sharded
     keep_line = lines["keep"]
     costs = derive_blocks(
         names,
@@ -351,7 +372,7 @@ def profile(
     shapes: list[torch.Tensor] = []
     tensors_in((args, kwargs), shapes)
     first, later, opt_state = opt_terms
-    return Profile(
+    prof = Profile(
         blocks=costs,
         top=keep_line.top_peak,
         pre=keep_line.pre_peak,
@@ -372,6 +393,7 @@ def profile(
         end_grads=keep_line.end_grads,
         top_grads=keep_line.top_grads,
     )
+    return agree_profile(prof) if agree else prof
 
 
 def candidate_modules(

@@ -16,16 +16,18 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .._modelinfo import BufferSnapshot
 from .._tree import tensors_in
+from .sharded import bucket_bytes, bucket_view_params
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor], device: torch.device | None) -> int:
     """Bytes of the distinct storages of ``tensors`` (on ``device``; all when ``None``)."""
     seen: dict[int, int] = {}
-    for t in tensors:
-        if not isinstance(t, torch.Tensor) or t.is_meta:
+    for t in _plain(tensors):
+        if t.is_meta:
             continue
         if device is not None and t.device != device:
             continue
@@ -38,6 +40,21 @@ def storage_bytes(tensors: Iterable[torch.Tensor], device: torch.device | None) 
     return sum(seen.values())
 
 
+def _plain(tensors: Iterable[Any]) -> list[torch.Tensor]:
+    """The tensors that hold memory: a wrapper subclass (FSDP2's ``DTensor``) by its inner
+    tensors (a ``DTensor`` reports its global size; its local shard is what the rank holds)."""
+    out = []
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        if is_traceable_wrapper_subclass(t):
+            names, _ = t.__tensor_flatten__()
+            out += _plain(getattr(t, n) for n in names)
+        else:
+            out.append(t)
+    return out
+
+
 def optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     """The tensors of an optimizer's state (``exp_avg``, ``momentum_buffer``, ``step``, ...)."""
     if optimizer is None:
@@ -48,10 +65,12 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Ten
 
 
 def static_bytes(model: nn.Module, args: Any, device: torch.device | None) -> int:
-    """Bytes of the model's parameters and buffers and of the tensor inputs."""
+    """Bytes of the model's parameters and buffers, of the tensor inputs and of DDP's
+    gradient buckets (see :mod:`remat.planner.sharded`); a sharded parameter by its shard."""
     inputs: list[torch.Tensor] = []
     tensors_in(args, inputs)
-    return storage_bytes([*model.parameters(), *model.buffers(), *inputs], device)
+    own = storage_bytes([*model.parameters(), *model.buffers(), *inputs], device)
+    return own + bucket_bytes(model, device)
 
 
 def trainable(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
@@ -106,6 +125,9 @@ class StepState:
         device: torch.device,
     ) -> None:
         self.params = trainable(model, optimizer)
+        views = bucket_view_params(model)
+        #: the parameters whose gradients are their own bytes (not views of DDP's buckets)
+        self.grad_params = [p for p in self.params if id(p) not in views]
         self.leaves = [*self.params, *[t for t in inputs if all(t is not p for p in self.params)]]
         self.grads = [t.grad for t in self.leaves]
         self.buffers = BufferSnapshot(model)
