@@ -585,11 +585,10 @@ WRAP_KEYS = ("forward", "extra_repr", "_replicate_for_data_parallel", _ATTR)
 
 def offload_only(module: nn.Module) -> nn.Module:
     """Keep ``module``'s saved tensors in host memory, recompute nothing (the planner's
-    ``offload`` decision); returns the module. Undo with :func:`unwrap`."""
+    ``offload`` decision); returns the module. Unlike :func:`offload_wrapper` on a
+    checkpointed module, a wrapping already there is replaced. Undo with :func:`unwrap`."""
     unwrap(module)
-    object.__setattr__(module, _ATTR, _Options(offload_only=True))
-    _install(module, module.__dict__.get("forward"))
-    return module
+    return offload_wrapper(module)
 
 
 def wrapping_state(module: nn.Module) -> dict[str, Any]:
