@@ -1,0 +1,373 @@
+"""The chain dynamic program: exact plans over single blocks and spans of consecutive blocks.
+
+A plan cuts the chain of blocks into *segments*: a block alone under a decision
+(``keep``, ``recompute``, ``selective``, ``offload``, ``split``) or a span of
+2..``max_span`` consecutive blocks checkpointed as one region, each block
+checkpointed inside it (``recompute`` or ``split``: two nesting levels). Every
+activation term of a segment is ``term - s``, ``s`` the bytes the segments before
+it saved (:class:`~remat.planner.model.Segment`), so a segment is summed up by
+its ``peak``, ``saved`` and ``cost``, and a plan fits ``budget`` when every
+segment's ``peak - s <= budget`` and ``top - s_n <= budget`` at the end.
+
+This is the checkpointing chain dynamic program of Chen et al. 2016 ("Training
+Deep Nets with Sublinear Memory Cost", arXiv:1604.06174) and of Griewank &
+Walther's Revolve (ACM TOMS 26(1), 2000) restricted to two nesting levels, with
+heterogeneous per-block costs and memory as in Beaumont et al. 2019 ("Optimal
+checkpointing for heterogeneous chains", Rotor, arXiv:1911.13214), in the step
+model's units. It is exact: nothing is rounded, states are pruned only by
+dominance or by bounds that no optimal plan crosses.
+
+Solving is two passes over the segment table:
+
+1. **Backward** (:func:`cost_to_go`): for each position ``p`` the Pareto front of
+   the suffix plans from ``p`` in (``need``: the bytes the prefix must have saved
+   for the suffix to fit, ``cost``). A suffix needing less at no more cost
+   dominates. ``need`` is clamped to the range of bytes a prefix can save at all
+   (below the least it is always met; above the most it never is), which keeps
+   the fronts small. Front 0 gives the least cost ``C*``, and every front gives
+   the exact least cost to complete a prefix that saved ``s``: ``h(p, s)``.
+2. **Forward** (:func:`simplest`): the simplest plan of cost at most a cap (``C*``
+   plus the timing noise): states ``(saved, cost, simplicity)``, a state kept
+   only when ``cost + h(p, saved) <= cap`` (it can still finish within the cap)
+   and no other state saved at least as much at no more cost and simplicity.
+
+Both passes are vectorized over the states with ``torch`` tensors on the CPU
+(int64 bytes, float64 costs), so the Python work is per segment, not per state:
+about 0.1 s for 100 blocks with spans of up to 16 (see ``benchmarks/solve_time.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from .model import SPAN_INNER, BlockCosts
+
+#: How complex a decision is (near-ties go to the smaller sum).
+COMPLEXITY = {"keep": 0, "selective": 1, "recompute": 2, "offload": 3, "split": 4}
+
+#: A block inside a span counts this much more complex than the same decision alone.
+SPAN_COMPLEXITY = 5
+
+NEVER = -(2**62)  # a term that never binds (as in the step model)
+_INF = float("inf")
+
+
+def choices(blocks: Sequence[BlockCosts], allowed: Sequence[str]) -> list[list[str]]:
+    """For each block, the allowed decisions it was measured under."""
+    return [[d for d in allowed if d in b.retained and d in b.cost] for b in blocks]
+
+
+def simplicity(n: int, i: int, d: str) -> int:
+    """Integer weight of decision ``d`` on block ``i`` of ``n``: complexity first, then position."""
+    c = COMPLEXITY.get(d, 4)
+    return c * (n * (n + 1) // 2 + 1) + (i + 1 if c else 0)
+
+
+@dataclasses.dataclass
+class Segments:
+    """Every segment of a chain: parallel lists (row ``k`` is one segment), tensors of the
+    numbers, and the rows that start at / end before each position."""
+
+    first: list[int]
+    last: list[int]
+    decision: list[str]
+    span: list[bool]
+    peak: list[int]
+    saved: list[int]
+    cost: list[float]
+    simp: list[int]
+    starting: list[list[int]]  # rows whose first block is p
+    ending: list[list[int]]  # rows whose last block is p - 1 (p = 1..n)
+
+    def add(
+        self, a: int, z: int, d: str, span: bool, peak: int, saved: int, cost: float, simp: int
+    ):
+        k = len(self.first)
+        self.first.append(a)
+        self.last.append(z)
+        self.decision.append(d)
+        self.span.append(span)
+        self.peak.append(peak)
+        self.saved.append(saved)
+        self.cost.append(cost)
+        self.simp.append(simp)
+        self.starting[a].append(k)
+        self.ending[z + 1].append(k)
+
+
+def segment_table(blocks: Sequence[BlockCosts], allowed: Sequence[str], max_span: int) -> Segments:
+    """Every block alone under each allowed decision and every span of 2..``max_span``
+    blocks under each allowed inner decision, with the numbers of
+    :func:`~remat.planner.model.block_segment` / :func:`~remat.planner.model.span_segment`
+    (equal to them, float sums in the same order), in O(1) a span by running sums."""
+    n = len(blocks)
+    w = n * (n + 1) // 2 + 1
+    opts = choices(blocks, allowed)
+    t = Segments(
+        [], [], [], [], [], [], [], [], [[] for _ in range(n + 1)], [[] for _ in range(n + 1)]
+    )
+    for a in range(n):
+        b = blocks[a]
+        for d in opts[a]:
+            saved = b.retained["keep"] - b.retained[d]
+            peak = max(b.fwd_start + b.fwd_excess[d], b.bwd_start - saved + b.bwd_excess[d])
+            t.add(a, a, d, False, peak, saved, float(b.cost[d]), simplicity(n, a, d))
+        for d in SPAN_INNER:
+            if d not in allowed or d not in opts[a]:
+                continue
+            inner = 0  # sum_{a<=j<i} (retained[j][keep] - R_j): saved by the blocks alone
+            kept = 0  # P_i = sum_{a<=j<i} R_j
+            kept_prev = 0  # P_{i-1}
+            peak = NEVER  # the forward and backward terms of blocks a..i
+            recompute = NEVER  # max_{a<=j<i} P_j + fwd_excess[j]
+            cost_d: float = 0  # sum_{a<=j<=i} cost[j][d], summed as span_segment does
+            cost_r: float = 0  # sum_{a<=j<i} cost[j][recompute]
+            simp = 0
+            for i in range(a, min(n, a + max_span)):
+                if d not in opts[i]:
+                    break
+                bi = blocks[i]
+                r = bi.retained[d]
+                fwd = bi.fwd_start - inner - kept_prev + bi.fwd_excess[d]
+                inner += bi.retained["keep"] - r
+                bwd = bi.bwd_start - inner + bi.bwd_excess[d]
+                peak = max(peak, fwd, bwd)
+                cost_d = cost_d + bi.cost[d]
+                simp += simplicity(n, i, d)
+                if i > a:
+                    rec = bi.bwd_start - inner - kept + recompute
+                    t.add(
+                        a,
+                        i,
+                        d,
+                        True,
+                        max(peak, rec),
+                        inner + kept,
+                        float(cost_d + cost_r),
+                        simp + SPAN_COMPLEXITY * w * (i - a + 1),
+                    )
+                recompute = max(recompute, kept + bi.fwd_excess[d])
+                cost_r = cost_r + bi.cost.get("recompute", 0.0)
+                kept_prev = kept
+                kept += r
+    return t
+
+
+def saved_range(t: Segments, n: int) -> tuple[list[int], list[int]]:
+    """The least and the most bytes any prefix of ``p`` blocks saves (fitting or not)."""
+    lo: list[int | None] = [None] * (n + 1)
+    hi: list[int | None] = [None] * (n + 1)
+    lo[0] = hi[0] = 0
+    for p in range(n):
+        lp, hp = lo[p], hi[p]
+        if lp is None or hp is None:
+            continue
+        for k in t.starting[p]:
+            e = t.last[k] + 1
+            lo_e, hi_e = lp + t.saved[k], hp + t.saved[k]
+            lo[e] = lo_e if lo[e] is None else min(lo[e], lo_e)  # type: ignore[type-var]
+            hi[e] = hi_e if hi[e] is None else max(hi[e], hi_e)  # type: ignore[type-var]
+    return [0 if x is None else x for x in lo], [NEVER if x is None else x for x in hi]
+
+
+def _pareto(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """Indices of the entries no other entry beats in both (smaller is better): sorted by
+    ``first`` ascending, ``second`` strictly descending; of equal entries the first kept."""
+    order = torch.sort(second, stable=True).indices
+    order = order[torch.sort(first[order], stable=True).indices]
+    s = second[order]
+    keep = torch.ones_like(s, dtype=torch.bool)
+    if s.numel() > 1:
+        keep[1:] = s[1:] < torch.cummin(s, 0).values[:-1]
+    return order[keep]
+
+
+@dataclasses.dataclass
+class CostToGo:
+    """The backward fronts: per position ``need`` ascending and ``cost`` strictly descending,
+    with each entry's first segment and its entry in the next front."""
+
+    need: list[torch.Tensor]
+    cost: list[torch.Tensor]
+    seg: list[torch.Tensor]
+    nxt: list[torch.Tensor]
+
+    def least(self) -> float | None:
+        """The least cost of a plan that fits (``None``: none does)."""
+        need, cost = self.need[0], self.cost[0]
+        k = int(torch.searchsorted(need, torch.tensor([0]), right=True)[0])
+        return None if k == 0 else float(cost[k - 1])
+
+    def h(self, p: int, saved: torch.Tensor) -> torch.Tensor:
+        """The least cost to finish from position ``p`` after saving ``saved`` (inf: cannot)."""
+        need, cost = self.need[p], self.cost[p]
+        k = torch.searchsorted(need, saved, right=True)
+        padded = torch.cat([torch.tensor([_INF], dtype=torch.float64), cost])
+        return padded[k]
+
+    def cheapest(self, t: Segments) -> list[int]:
+        """The rows of a least-cost plan."""
+        rows: list[int] = []
+        need = self.need[0]
+        j = int(torch.searchsorted(need, torch.tensor([0]), right=True)[0]) - 1
+        p = 0
+        n = len(self.need) - 1
+        while p < n:
+            k = int(self.seg[p][j])
+            rows.append(k)
+            j = int(self.nxt[p][j])
+            p = t.last[k] + 1
+        return rows
+
+
+def cost_to_go(t: Segments, n: int, top: int, budget: int) -> CostToGo:
+    """The backward pass (see the module docstring)."""
+    lo, hi = saved_range(t, n)
+    i64, f64 = torch.int64, torch.float64
+    empty_i, empty_f = torch.empty(0, dtype=i64), torch.empty(0, dtype=f64)
+    need = [empty_i] * (n + 1)
+    cost = [empty_f] * (n + 1)
+    seg = [empty_i] * (n + 1)
+    nxt = [empty_i] * (n + 1)
+    last = top - budget  # the end needs saved >= top - budget
+    if last <= hi[n]:
+        need[n] = torch.tensor([max(last, lo[n])], dtype=i64)
+        cost[n] = torch.zeros(1, dtype=f64)
+        seg[n] = torch.full((1,), -1, dtype=i64)
+        nxt[n] = torch.full((1,), -1, dtype=i64)
+    for p in range(n - 1, -1, -1):
+        parts_need, parts_cost, parts_seg, parts_nxt = [], [], [], []
+        for k in t.starting[p]:
+            e = t.last[k] + 1
+            m = need[e].numel()
+            if m == 0:
+                continue
+            parts_need.append(torch.clamp_min(need[e] - t.saved[k], t.peak[k] - budget))
+            parts_cost.append(cost[e] + t.cost[k])
+            parts_seg.append(torch.full((m,), k, dtype=i64))
+            parts_nxt.append(torch.arange(m, dtype=i64))
+        if not parts_need:
+            continue
+        nd = torch.clamp_min(torch.cat(parts_need), lo[p])
+        fits = nd <= hi[p]
+        nd, c = nd[fits], torch.cat(parts_cost)[fits]
+        keep = _pareto(nd, c)
+        need[p], cost[p] = nd[keep], c[keep]
+        seg[p] = torch.cat(parts_seg)[fits][keep]
+        nxt[p] = torch.cat(parts_nxt)[fits][keep]
+    return CostToGo(need, cost, seg, nxt)
+
+
+def _undominated(saved: list[int], cost: list[float], simp: list[int]) -> list[int]:
+    """Indices of the states no other state beats (saved more or equal, cost and simplicity
+    less or equal); of equal states the first. A staircase of the kept (cost ascending,
+    simplicity strictly descending) answers each query with one binary search."""
+    import bisect
+
+    order = sorted(range(len(saved)), key=lambda i: (-saved[i], cost[i], simp[i], i))
+    costs: list[float] = []
+    simps: list[int] = []
+    out: list[int] = []
+    for i in order:
+        c, s = cost[i], simp[i]
+        k = bisect.bisect_right(costs, c) - 1
+        if k >= 0 and simps[k] <= s:
+            continue
+        out.append(i)
+        k += 1
+        m = k
+        while m < len(costs) and simps[m] >= s:
+            m += 1
+        costs[k:m] = [c]
+        simps[k:m] = [s]
+    return sorted(out)
+
+
+def simplest(t: Segments, n: int, budget: int, ctg: CostToGo, cap: float) -> list[int] | None:
+    """The forward pass: the rows of the simplest plan (then cheapest) of cost <= ``cap``."""
+    i64, f64 = torch.int64, torch.float64
+    saved: list[torch.Tensor] = [torch.empty(0, dtype=i64)] * (n + 1)
+    cost: list[torch.Tensor] = [torch.empty(0, dtype=f64)] * (n + 1)
+    simp: list[torch.Tensor] = [torch.empty(0, dtype=i64)] * (n + 1)
+    parent: list[torch.Tensor] = [torch.empty(0, dtype=i64)] * (n + 1)
+    seg: list[torch.Tensor] = [torch.empty(0, dtype=i64)] * (n + 1)
+    start = torch.zeros(1, dtype=i64)
+    if not float(ctg.h(0, start)[0]) <= cap:
+        return None
+    saved[0], cost[0], simp[0] = start, torch.zeros(1, dtype=f64), torch.zeros(1, dtype=i64)
+    parent[0] = seg[0] = torch.full((1,), -1, dtype=i64)
+    for p in range(1, n + 1):
+        ps, pc, pp, pa, pk = [], [], [], [], []
+        for k in t.ending[p]:
+            a = t.first[k]
+            s0 = saved[a]
+            if s0.numel() == 0:
+                continue
+            idx = torch.nonzero(s0 >= t.peak[k] - budget).flatten()
+            if idx.numel() == 0:
+                continue
+            ps.append(s0[idx] + t.saved[k])
+            pc.append(cost[a][idx] + t.cost[k])
+            pp.append(simp[a][idx] + t.simp[k])
+            pa.append(idx)
+            pk.append(torch.full((idx.numel(),), k, dtype=i64))
+        if not ps:
+            continue
+        s, c = torch.cat(ps), torch.cat(pc)
+        ok = torch.nonzero(c + ctg.h(p, s) <= cap).flatten()
+        if ok.numel() == 0:
+            continue
+        s, c = s[ok], c[ok]
+        sp, pa_, pk_ = torch.cat(pp)[ok], torch.cat(pa)[ok], torch.cat(pk)[ok]
+        keep = torch.tensor(_undominated(s.tolist(), c.tolist(), sp.tolist()), dtype=i64)
+        saved[p], cost[p], simp[p] = s[keep], c[keep], sp[keep]
+        parent[p], seg[p] = pa_[keep], pk_[keep]
+    if simp[n].numel() == 0:
+        return None
+    ends = list(zip(simp[n].tolist(), cost[n].tolist(), range(simp[n].numel())))
+    j = min(ends)[2]
+    rows: list[int] = []
+    p = n
+    while p > 0:
+        k = int(seg[p][j])
+        rows.append(k)
+        j = int(parent[p][j])
+        p = t.first[k]
+    return rows[::-1]
+
+
+def unpack(t: Segments, rows: Sequence[int]) -> tuple[list[str], list[tuple[int, int]]]:
+    """``(decisions, spans)`` of a plan given as segment rows in chain order."""
+    decisions: list[str] = []
+    spans: list[tuple[int, int]] = []
+    for k in rows:
+        decisions.extend([t.decision[k]] * (t.last[k] - t.first[k] + 1))
+        if t.span[k]:
+            spans.append((t.first[k], t.last[k]))
+    return decisions, spans
+
+
+def smallest(t: Segments, n: int, top: int) -> list[int]:
+    """The rows of a plan of the smallest activation peak: states ``saved -> (least peak so
+    far, rows)``, a state kept when it saved more than every state of a smaller peak."""
+    fronts: list[dict[int, tuple[int, tuple[int, ...]]]] = [{} for _ in range(n + 1)]
+    fronts[0] = {0: (NEVER, ())}
+    for p in range(n):
+        best: int | None = None
+        for s in sorted(fronts[p], reverse=True):
+            peak, rows = fronts[p][s]
+            if best is not None and peak >= best:
+                continue
+            best = peak
+            for k in t.starting[p]:
+                p2 = max(peak, t.peak[k] - s)
+                s2 = s + t.saved[k]
+                into = fronts[t.last[k] + 1]
+                old = into.get(s2)
+                if old is None or p2 < old[0]:
+                    into[s2] = (p2, (*rows, k))
+    _, (_, rows) = min(fronts[n].items(), key=lambda kv: max(kv[1][0], top - kv[0]))
+    return list(rows)
