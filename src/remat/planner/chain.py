@@ -38,6 +38,7 @@ about 0.1 s for 100 blocks with spans of up to 16 (see ``benchmarks/solve_time.p
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Sequence
 
@@ -81,6 +82,14 @@ class Segments:
     simp: list[int]
     starting: list[list[int]]  # rows whose first block is p
     ending: list[list[int]]  # rows whose last block is p - 1 (p = 1..n)
+    columns: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def column(self, name: str) -> torch.Tensor:
+        """``peak``, ``saved``, ``cost`` or ``simp`` as a tensor (made once)."""
+        if name not in self.columns:
+            dtype = torch.float64 if name == "cost" else torch.int64
+            self.columns[name] = torch.tensor(getattr(self, name), dtype=dtype)
+        return self.columns[name]
 
     def add(
         self, a: int, z: int, d: str, span: bool, peak: int, saved: int, cost: float, simp: int
@@ -156,33 +165,74 @@ def segment_table(blocks: Sequence[BlockCosts], allowed: Sequence[str], max_span
     return t
 
 
-def saved_range(t: Segments, n: int) -> tuple[list[int], list[int]]:
-    """The least and the most bytes any prefix of ``p`` blocks saves (fitting or not)."""
+def saved_range(t: Segments, n: int, budget: int) -> tuple[list[int], list[int]]:
+    """The least bytes any prefix of ``p`` blocks saves (fitting or not), and the most a
+    prefix that fits ``budget`` saves (``NEVER`` when none fits). The latter is exact by one
+    number a position: saving more never makes a segment's terms larger, so the prefix
+    saving the most continues wherever any prefix does."""
     lo: list[int | None] = [None] * (n + 1)
-    hi: list[int | None] = [None] * (n + 1)
+    hi = [NEVER] * (n + 1)
     lo[0] = hi[0] = 0
     for p in range(n):
         lp, hp = lo[p], hi[p]
-        if lp is None or hp is None:
+        if lp is None:
             continue
         for k in t.starting[p]:
             e = t.last[k] + 1
-            lo_e, hi_e = lp + t.saved[k], hp + t.saved[k]
+            lo_e = lp + t.saved[k]
             lo[e] = lo_e if lo[e] is None else min(lo[e], lo_e)  # type: ignore[type-var]
-            hi[e] = hi_e if hi[e] is None else max(hi[e], hi_e)  # type: ignore[type-var]
-    return [0 if x is None else x for x in lo], [NEVER if x is None else x for x in hi]
+            if hp != NEVER and hp >= t.peak[k] - budget:
+                hi[e] = max(hi[e], hp + t.saved[k])
+    return [0 if x is None else x for x in lo], hi
 
 
 def _pareto(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
-    """Indices of the entries no other entry beats in both (smaller is better): sorted by
-    ``first`` ascending, ``second`` strictly descending; of equal entries the first kept."""
-    order = torch.sort(second, stable=True).indices
-    order = order[torch.sort(first[order], stable=True).indices]
-    s = second[order]
+    """Indices of the entries no other entry beats in both (smaller is better), by ``first``
+    ascending and ``second`` strictly descending; of equal entries the first.
+
+    One stable sort by ``first``: an entry is kept when its ``second`` is below every one
+    before it, then of the kept ones with the same ``first`` only the last (the least)."""
+    order = torch.sort(first, stable=True).indices
+    f, s = first[order], second[order]
     keep = torch.ones_like(s, dtype=torch.bool)
     if s.numel() > 1:
         keep[1:] = s[1:] < torch.cummin(s, 0).values[:-1]
-    return order[keep]
+    order, f = order[keep], f[keep]
+    last = torch.ones_like(f, dtype=torch.bool)
+    last[:-1] = f[1:] != f[:-1]
+    return order[last]
+
+
+def _pairs(
+    rows: list[int], source: list[int], size: list[int]
+) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every pair of a segment row and an entry of the front at the row's ``source``
+    position: the distinct sources (in order of first use), and per pair the row, the
+    entry's index in its front and its index in the sources' fronts concatenated."""
+    sources: list[int] = []
+    offset: dict[int, int] = {}
+    total = 0
+    for r in rows:
+        a = source[r]
+        if a not in offset:
+            offset[a] = total
+            sources.append(a)
+            total += size[a]
+    counts = [size[source[r]] for r in rows]
+    starts, pair_total = [], 0
+    for c in counts:
+        starts.append(pair_total)
+        pair_total += c
+    i64 = torch.int64
+    counts_t = torch.tensor(counts, dtype=i64)
+    row = torch.repeat_interleave(torch.tensor(rows, dtype=i64), counts_t, output_size=pair_total)
+    at = torch.arange(pair_total, dtype=i64)
+    local = at - torch.repeat_interleave(
+        torch.tensor(starts, dtype=i64), counts_t, output_size=pair_total
+    )
+    base = torch.tensor([offset[source[r]] for r in rows], dtype=i64)
+    flat = local + torch.repeat_interleave(base, counts_t, output_size=pair_total)
+    return sources, row, local, flat
 
 
 @dataclasses.dataclass
@@ -225,7 +275,7 @@ class CostToGo:
 
 def cost_to_go(t: Segments, n: int, top: int, budget: int) -> CostToGo:
     """The backward pass (see the module docstring)."""
-    lo, hi = saved_range(t, n)
+    lo, hi = saved_range(t, n, budget)
     i64, f64 = torch.int64, torch.float64
     empty_i, empty_f = torch.empty(0, dtype=i64), torch.empty(0, dtype=f64)
     need = [empty_i] * (n + 1)
@@ -238,35 +288,49 @@ def cost_to_go(t: Segments, n: int, top: int, budget: int) -> CostToGo:
         cost[n] = torch.zeros(1, dtype=f64)
         seg[n] = torch.full((1,), -1, dtype=i64)
         nxt[n] = torch.full((1,), -1, dtype=i64)
+    peak, saved, seg_cost = t.column("peak"), t.column("saved"), t.column("cost")
+    after = [t.last[k] + 1 for k in range(len(t.last))]
+    size = [0] * (n + 1)
+    size[n] = need[n].numel()
     for p in range(n - 1, -1, -1):
-        parts_need, parts_cost, parts_seg, parts_nxt = [], [], [], []
-        for k in t.starting[p]:
-            e = t.last[k] + 1
-            m = need[e].numel()
-            if m == 0:
-                continue
-            parts_need.append(torch.clamp_min(need[e] - t.saved[k], t.peak[k] - budget))
-            parts_cost.append(cost[e] + t.cost[k])
-            parts_seg.append(torch.full((m,), k, dtype=i64))
-            parts_nxt.append(torch.arange(m, dtype=i64))
-        if not parts_need:
+        rows = [k for k in t.starting[p] if size[after[k]]]
+        if not rows:
             continue
-        nd = torch.clamp_min(torch.cat(parts_need), lo[p])
-        fits = nd <= hi[p]
-        nd, c = nd[fits], torch.cat(parts_cost)[fits]
-        keep = _pareto(nd, c)
-        need[p], cost[p] = nd[keep], c[keep]
-        seg[p] = torch.cat(parts_seg)[fits][keep]
-        nxt[p] = torch.cat(parts_nxt)[fits][keep]
+        sources, row, local, flat = _pairs(rows, after, size)
+        nd = torch.cat([need[e] for e in sources])[flat] - saved[row]
+        nd = torch.maximum(nd, peak[row] - budget).clamp_min_(lo[p])
+        c = torch.cat([cost[e] for e in sources])[flat] + seg_cost[row]
+        fits = torch.nonzero(nd <= hi[p]).flatten()
+        nd, c = nd[fits], c[fits]
+        order = _pareto(nd, c)
+        need[p], cost[p] = nd[order], c[order]
+        keep = fits[order]
+        seg[p], nxt[p] = row[keep], local[keep]
+        size[p] = need[p].numel()
     return CostToGo(need, cost, seg, nxt)
 
 
-def _undominated(saved: list[int], cost: list[float], simp: list[int]) -> list[int]:
-    """Indices of the states no other state beats (saved more or equal, cost and simplicity
-    less or equal); of equal states the first. A staircase of the kept (cost ascending,
-    simplicity strictly descending) answers each query with one binary search."""
-    import bisect
+#: Up to this many states, dominance is checked all pairs at once (k * k booleans).
+PAIRWISE = 512
 
+
+def _undominated(saved: torch.Tensor, cost: torch.Tensor, simp: torch.Tensor) -> torch.Tensor:
+    """Indices (ascending) of the states no other state beats: saved more or equal, cost and
+    simplicity less or equal; of equal states the first."""
+    k = saved.numel()
+    if k <= PAIRWISE:
+        s, c, p = saved[None, :], cost[None, :], simp[None, :]  # j: columns, i: rows
+        ge = (s >= saved[:, None]) & (c <= cost[:, None]) & (p <= simp[:, None])
+        better = (s > saved[:, None]) | (c < cost[:, None]) | (p < simp[:, None])
+        earlier = torch.ones(k, k, dtype=torch.bool).tril_(-1)  # j < i
+        return torch.nonzero(~(ge & (better | earlier)).any(1)).flatten()
+    return torch.tensor(_staircase(saved.tolist(), cost.tolist(), simp.tolist()), dtype=torch.int64)
+
+
+def _staircase(saved: list[int], cost: list[float], simp: list[int]) -> list[int]:
+    """:func:`_undominated` for many states: visited by saved descending, the kept ones form
+    a staircase (cost ascending, simplicity strictly descending), so each check is one
+    binary search."""
     order = sorted(range(len(saved)), key=lambda i: (-saved[i], cost[i], simp[i], i))
     costs: list[float] = []
     simps: list[int] = []
@@ -299,32 +363,28 @@ def simplest(t: Segments, n: int, budget: int, ctg: CostToGo, cap: float) -> lis
         return None
     saved[0], cost[0], simp[0] = start, torch.zeros(1, dtype=f64), torch.zeros(1, dtype=i64)
     parent[0] = seg[0] = torch.full((1,), -1, dtype=i64)
+    peak, seg_saved, seg_cost, seg_simp = (t.column(c) for c in ("peak", "saved", "cost", "simp"))
+    size = [0] * (n + 1)
+    size[0] = 1
     for p in range(1, n + 1):
-        ps, pc, pp, pa, pk = [], [], [], [], []
-        for k in t.ending[p]:
-            a = t.first[k]
-            s0 = saved[a]
-            if s0.numel() == 0:
-                continue
-            idx = torch.nonzero(s0 >= t.peak[k] - budget).flatten()
-            if idx.numel() == 0:
-                continue
-            ps.append(s0[idx] + t.saved[k])
-            pc.append(cost[a][idx] + t.cost[k])
-            pp.append(simp[a][idx] + t.simp[k])
-            pa.append(idx)
-            pk.append(torch.full((idx.numel(),), k, dtype=i64))
-        if not ps:
+        rows = [k for k in t.ending[p] if size[t.first[k]]]
+        if not rows:
             continue
-        s, c = torch.cat(ps), torch.cat(pc)
-        ok = torch.nonzero(c + ctg.h(p, s) <= cap).flatten()
+        sources, row, local, flat = _pairs(rows, t.first, size)
+        s0 = torch.cat([saved[a] for a in sources])[flat]
+        ok = torch.nonzero(s0 >= peak[row] - budget).flatten()  # the segment fits
+        row, local, flat = row[ok], local[ok], flat[ok]
+        s = s0[ok] + seg_saved[row]
+        c = torch.cat([cost[a] for a in sources])[flat] + seg_cost[row]
+        ok = torch.nonzero(c + ctg.h(p, s) <= cap).flatten()  # the rest can fit within the cap
         if ok.numel() == 0:
             continue
-        s, c = s[ok], c[ok]
-        sp, pa_, pk_ = torch.cat(pp)[ok], torch.cat(pa)[ok], torch.cat(pk)[ok]
-        keep = torch.tensor(_undominated(s.tolist(), c.tolist(), sp.tolist()), dtype=i64)
+        row, local, flat, s, c = row[ok], local[ok], flat[ok], s[ok], c[ok]
+        sp = torch.cat([simp[a] for a in sources])[flat] + seg_simp[row]
+        keep = _undominated(s, c, sp)
         saved[p], cost[p], simp[p] = s[keep], c[keep], sp[keep]
-        parent[p], seg[p] = pa_[keep], pk_[keep]
+        parent[p], seg[p] = local[keep], row[keep]
+        size[p] = keep.numel()
     if simp[n].numel() == 0:
         return None
     ends = list(zip(simp[n].tolist(), cost[n].tolist(), range(simp[n].numel())))
@@ -351,23 +411,34 @@ def unpack(t: Segments, rows: Sequence[int]) -> tuple[list[str], list[tuple[int,
 
 
 def smallest(t: Segments, n: int, top: int) -> list[int]:
-    """The rows of a plan of the smallest activation peak: states ``saved -> (least peak so
-    far, rows)``, a state kept when it saved more than every state of a smaller peak."""
-    fronts: list[dict[int, tuple[int, tuple[int, ...]]]] = [{} for _ in range(n + 1)]
-    fronts[0] = {0: (NEVER, ())}
-    for p in range(n):
-        best: int | None = None
-        for s in sorted(fronts[p], reverse=True):
-            peak, rows = fronts[p][s]
-            if best is not None and peak >= best:
-                continue
-            best = peak
-            for k in t.starting[p]:
-                p2 = max(peak, t.peak[k] - s)
-                s2 = s + t.saved[k]
-                into = fronts[t.last[k] + 1]
-                old = into.get(s2)
-                if old is None or p2 < old[0]:
-                    into[s2] = (p2, (*rows, k))
-    _, (_, rows) = min(fronts[n].items(), key=lambda kv: max(kv[1][0], top - kv[0]))
-    return list(rows)
+    """The rows of a plan of the smallest activation peak: a forward pass whose states are
+    ``(saved, the largest term so far)``, a state kept when no other saved at least as much
+    with no larger peak."""
+    i64 = torch.int64
+    saved: list[torch.Tensor] = [torch.zeros(1, dtype=i64)] + [torch.empty(0, dtype=i64)] * n
+    worst: list[torch.Tensor] = [torch.full((1,), NEVER, dtype=i64)] + [saved[1]] * n
+    parent: list[torch.Tensor] = [torch.full((1,), -1, dtype=i64)] + [saved[1]] * n
+    seg: list[torch.Tensor] = [parent[0]] + [saved[1]] * n
+    peak, seg_saved = t.column("peak"), t.column("saved")
+    size = [1] + [0] * n
+    for p in range(1, n + 1):
+        rows = [k for k in t.ending[p] if size[t.first[k]]]
+        if not rows:
+            continue
+        sources, row, local, flat = _pairs(rows, t.first, size)
+        s0 = torch.cat([saved[a] for a in sources])[flat]
+        w = torch.maximum(torch.cat([worst[a] for a in sources])[flat], peak[row] - s0)
+        s = s0 + seg_saved[row]
+        keep = _pareto(-s, w)
+        saved[p], worst[p], parent[p], seg[p] = s[keep], w[keep], local[keep], row[keep]
+        size[p] = keep.numel()
+    final = torch.maximum(worst[n], top - saved[n])
+    j = int(torch.argmin(final))  # the first of the least
+    rows_out: list[int] = []
+    p = n
+    while p > 0:
+        k = int(seg[p][j])
+        rows_out.append(k)
+        j = int(parent[p][j])
+        p = t.first[k]
+    return rows_out[::-1]
