@@ -388,15 +388,19 @@ def simplest(t: Segments, n: int, budget: int, ctg: CostToGo, cap: float) -> lis
     if simp[n].numel() == 0:
         return None
     ends = list(zip(simp[n].tolist(), cost[n].tolist(), range(simp[n].numel())))
-    j = min(ends)[2]
-    rows: list[int] = []
-    p = n
+    return _walk(t, seg, parent, min(ends)[2])
+
+
+def _walk(t: Segments, seg: list[torch.Tensor], parent: list[torch.Tensor], j: int) -> list[int]:
+    """The rows of the plan ending in entry ``j`` of the last forward front, in chain order."""
+    out: list[int] = []
+    p = len(seg) - 1
     while p > 0:
         k = int(seg[p][j])
-        rows.append(k)
+        out.append(k)
         j = int(parent[p][j])
         p = t.first[k]
-    return rows[::-1]
+    return out[::-1]
 
 
 def unpack(t: Segments, rows: Sequence[int]) -> tuple[list[str], list[tuple[int, int]]]:
@@ -433,12 +437,4 @@ def smallest(t: Segments, n: int, top: int) -> list[int]:
         saved[p], worst[p], parent[p], seg[p] = s[keep], w[keep], local[keep], row[keep]
         size[p] = keep.numel()
     final = torch.maximum(worst[n], top - saved[n])
-    j = int(torch.argmin(final))  # the first of the least
-    rows_out: list[int] = []
-    p = n
-    while p > 0:
-        k = int(seg[p][j])
-        rows_out.append(k)
-        j = int(parent[p][j])
-        p = t.first[k]
-    return rows_out[::-1]
+    return _walk(t, seg, parent, int(torch.argmin(final)))  # the first of the least
