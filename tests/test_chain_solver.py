@@ -244,3 +244,14 @@ def test_chain_dp_matches_the_plain_reference_dp_on_longer_chains(seed):
         rows = simplest(t, n, budget, ctg, cap)
         assert rows is not None
         assert sum(t.simp[k] for k in rows) == ref2[1]
+
+
+def test_spans_join_only_chained_blocks():
+    blocks, top = random_chain(3, 8)  # every block can be recomputed
+    chained = [True, True, False, True, True, True, False]
+    t = segment_table(blocks, DECS, 16, chained)
+    spans = {(t.first[k], t.last[k]) for k in range(len(t.first)) if t.decision[k] == "recompute"}
+    expected = {(a, z) for a in range(8) for z in range(a, 8) if all(chained[a:z])}
+    assert spans == expected
+    ds, sp = smallest_chain(blocks, top, DECS, 16, chained)
+    assert sp and all(all(chained[a:z]) for a, z in sp)

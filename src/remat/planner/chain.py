@@ -107,11 +107,17 @@ class Segments:
         self.ending[z + 1].append(k)
 
 
-def segment_table(blocks: Sequence[BlockCosts], allowed: Sequence[str], max_span: int) -> Segments:
+def segment_table(
+    blocks: Sequence[BlockCosts],
+    allowed: Sequence[str],
+    max_span: int,
+    chained: Sequence[bool] | None = None,
+) -> Segments:
     """Every block alone under each allowed decision and every span of 2..``max_span``
     blocks under each allowed inner decision, with the numbers of
     :func:`~remat.planner.model.block_segment` / :func:`~remat.planner.model.span_segment`
-    (equal to them, float sums in the same order), in O(1) a span by running sums."""
+    (equal to them, float sums in the same order), in O(1) a span by running sums. A span
+    joins block ``i`` to block ``i + 1`` only where ``chained[i]`` (default: everywhere)."""
     n = len(blocks)
     w = n * (n + 1) // 2 + 1
     opts = choices(blocks, allowed)
@@ -136,7 +142,7 @@ def segment_table(blocks: Sequence[BlockCosts], allowed: Sequence[str], max_span
             cost_r: float = 0  # sum_{a<=j<i} cost[j][recompute]
             simp = 0
             for i in range(a, min(n, a + max_span)):
-                if d not in opts[i]:
+                if d not in opts[i] or (i > a and chained is not None and not chained[i - 1]):
                     break
                 bi = blocks[i]
                 r = bi.retained[d]
@@ -351,7 +357,8 @@ def _staircase(saved: list[int], cost: list[float], simp: list[int]) -> list[int
 
 
 def simplest(t: Segments, n: int, budget: int, ctg: CostToGo, cap: float) -> list[int] | None:
-    """The forward pass: the rows of the simplest plan (then cheapest) of cost <= ``cap``."""
+    """The forward pass: the rows of the simplest plan of cost <= ``cap`` (then the cheapest,
+    then the one that saves the most bytes by the end)."""
     i64, f64 = torch.int64, torch.float64
     saved: list[torch.Tensor] = [torch.empty(0, dtype=i64)] * (n + 1)
     cost: list[torch.Tensor] = [torch.empty(0, dtype=f64)] * (n + 1)
@@ -387,8 +394,9 @@ def simplest(t: Segments, n: int, budget: int, ctg: CostToGo, cap: float) -> lis
         size[p] = keep.numel()
     if simp[n].numel() == 0:
         return None
-    ends = list(zip(simp[n].tolist(), cost[n].tolist(), range(simp[n].numel())))
-    return _walk(t, seg, parent, min(ends)[2])
+    # the simplest, then the cheapest, then the one saving the most (the lowest last term)
+    ends = zip(simp[n].tolist(), cost[n].tolist(), (-saved[n]).tolist(), range(size[n]))
+    return _walk(t, seg, parent, min(ends)[3])
 
 
 def _walk(t: Segments, seg: list[torch.Tensor], parent: list[torch.Tensor], j: int) -> list[int]:

@@ -65,6 +65,7 @@ def solve_chain(
     *,
     max_span: int = 16,
     cost_cap: float | None = None,
+    chained: Sequence[bool] | None = None,
 ) -> tuple[list[str], list[tuple[int, int]]] | None:
     """Exact optimum over per-block decisions and spans of consecutive blocks.
 
@@ -72,12 +73,13 @@ def solve_chain(
     arXiv:1604.06174; Griewank & Walther's Revolve, ACM TOMS 2000, for two nesting
     levels; heterogeneous costs and memory as in Beaumont et al. 2019, Rotor,
     arXiv:1911.13214). Without ``cost_cap``: a plan of the least cost; with it: the
-    simplest plan whose cost is at most ``cost_cap``.
+    simplest plan whose cost is at most ``cost_cap``. Spans join block ``i`` to ``i + 1``
+    only where ``chained[i]`` (default: everywhere).
 
     Returns ``(decisions, spans)`` (spans as ``(first, last)`` indices), or ``None``.
     """
     n = len(blocks)
-    t = segment_table(blocks, allowed, max(1, max_span))
+    t = segment_table(blocks, allowed, max(1, max_span), chained)
     ctg = cost_to_go(t, n, top, budget)
     if cost_cap is None:
         return None if ctg.least() is None else unpack(t, ctg.cheapest(t))
@@ -94,13 +96,14 @@ def solve(
     tolerance: float = 0.0,
     solver: str = "milp",
     max_span: int = 1,
+    chained: Sequence[bool] | None = None,
 ) -> tuple[list[str], list[tuple[int, int]]] | None:
     """The simplest plan within ``tolerance`` of the least cost: ``(decisions, spans)``, or
     ``None`` when none fits. ``max_span > 1`` allows spans (solved by :func:`solve_chain`);
     otherwise ``solver`` picks the MILP or the per-block DP."""
     if max_span > 1 or solver == "chain":
         n = len(blocks)
-        t = segment_table(blocks, allowed, max(1, max_span))
+        t = segment_table(blocks, allowed, max(1, max_span), chained)
         ctg = cost_to_go(t, n, top, budget)
         least = ctg.least()
         if least is None:
@@ -304,10 +307,15 @@ def solve_milp(
 
 
 def smallest_chain(
-    blocks: Sequence[BlockCosts], top: int, allowed: Sequence[str], max_span: int
+    blocks: Sequence[BlockCosts],
+    top: int,
+    allowed: Sequence[str],
+    max_span: int,
+    chained: Sequence[bool] | None = None,
 ) -> tuple[list[str], list[tuple[int, int]]]:
-    """A plan (with spans up to ``max_span`` blocks) of the smallest predicted activation peak."""
-    t = segment_table(blocks, allowed, max(1, max_span))
+    """A plan (with spans up to ``max_span`` blocks, joining blocks only where ``chained``)
+    of the smallest predicted activation peak."""
+    t = segment_table(blocks, allowed, max(1, max_span), chained)
     return unpack(t, smallest(t, len(blocks), top))
 
 
