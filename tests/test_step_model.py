@@ -183,8 +183,9 @@ def test_predicted_step_peak_equals_measured_for_every_plan_and_chosen_plans_fit
             wrong.append((ds, first, later, predicted))
     assert wrong == [], f"{len(wrong)} of {len(measured)} plans mispredicted"
 
-    # The planner's choice, for budgets from below the floor to above the unchecked peak:
-    # measured within the budget, and the cheapest plan that really fits (the model is exact).
+    # The planner's per-block choice, for budgets from below the floor to above the unchecked
+    # peak: measured within the budget, and the cheapest plan that really fits (the model is
+    # exact). The grid is of per-block plans, hence spans=False.
     peaks = {ds: max(m) for ds, m in measured.items()}
     floor = min(peaks.values())
     unchecked = peaks[("keep",) * len(prof.blocks)]
@@ -195,9 +196,9 @@ def test_predicted_step_peak_equals_measured_for_every_plan_and_chosen_plans_fit
         fitting = [ds for ds, pk in peaks.items() if pk <= budget]
         if not fitting:
             with pytest.raises(remat.PlanError, match="smallest reachable peak"):
-                remat.plan(prof, budget)
+                remat.plan(prof, budget, spans=False)
             continue
-        p = remat.plan(prof, budget)
+        p = remat.plan(prof, budget, spans=False)
         ds = tuple(p.decisions[b.name] for b in prof.blocks)
         assert peaks[ds] <= budget, (budget, ds)
         assert p.predicted_peak_bytes == peaks[ds]
@@ -755,13 +756,66 @@ def test_plan_with_spans_goes_below_the_per_block_floor():
     model, x = _pointwise_chain()
     prof = remat.profile(model, x, timer="flops")
     floor = per_block_floor(prof)
-    per_block = remat.plan(prof, floor)
+    per_block = remat.plan(prof, floor, spans=False)
     assert per_block.predicted_peak_bytes == floor and not per_block.spans
     with pytest.raises(remat.PlanError):
-        remat.plan(prof, floor - 1)  # without spans
+        remat.plan(prof, floor - 1, spans=False)
     assert prof.floor_bytes < floor
     p = remat.plan(prof, prof.floor_bytes, spans=True)
     assert p.spans and p.predicted_peak_bytes == prof.floor_bytes <= p.budget_bytes
+    assert remat.plan(prof, prof.floor_bytes) == p  # spans are the default
+
+
+def test_a_plan_with_spans_costs_no_more_than_the_best_per_block_plan():
+    model, x = _pointwise_chain()
+    prof = remat.profile(model, x, timer="flops")
+    floor = per_block_floor(prof)
+    for budget in range(floor, prof.unchecked_peak_bytes + 1, 4096):
+        with_spans = remat.plan(prof, budget)
+        per_block = remat.plan(prof, budget, spans=False)
+        assert with_spans.predicted_peak_bytes <= budget
+        assert with_spans.predicted_overhead_s <= per_block.predicted_overhead_s
+
+
+class _NormBetween(nn.Module):
+    """Pointwise blocks with a norm of the model's own between blocks 1 and 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Pointwise() for _ in range(4))
+        self.norm = nn.LayerNorm(64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i == 1:
+                x = self.norm(x)
+        return x
+
+
+def test_spans_join_only_blocks_the_model_calls_back_to_back():
+    model = _NormBetween()
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    prof = remat.profile(model, x, timer="flops")
+    assert prof.chained == [True, False, True]
+    p = remat.plan(prof, prof.floor_bytes)
+    assert p.spans  # below the per-block floor, but never across the norm
+    for first, last in p.spans:
+        assert (first, last) in {("layers.0", "layers.1"), ("layers.2", "layers.3")}
+    p.apply(model)
+    assert remat.measure_peak(model, x) == p.predicted_peak_bytes
+
+
+def test_milp_plans_per_block_and_refuses_spans():
+    pytest.importorskip("scipy")
+    model, x = _pointwise_chain()
+    prof = remat.profile(model, x, timer="flops")
+    floor = per_block_floor(prof)
+    milp = remat.plan(prof, floor, solver="milp")  # spans left out: per block
+    assert not milp.spans
+    assert milp.predicted_overhead_s == remat.plan(prof, floor, spans=False).predicted_overhead_s
+    with pytest.raises(ValueError, match=r"solver='milp'.*spans=True.*solver='auto'"):
+        remat.plan(prof, floor, solver="milp", spans=True)
 
 
 def test_a_plan_with_spans_is_measured_as_predicted():

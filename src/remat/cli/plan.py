@@ -77,7 +77,17 @@ def add_parser(sub: Any) -> None:
         help="your loop keeps gradients allocated (zero_grad(set_to_none=False), accumulation)",
     )
     p.add_argument("--timer", choices=("time", "flops"), default="time", help="cost measure")
-    p.add_argument("--solver", choices=("auto", "milp", "dp"), default="auto")
+    p.add_argument(
+        "--solver",
+        choices=("auto", "milp", "dp"),
+        default="auto",
+        help="auto/dp: the chain dynamic program (spans too); milp: one decision per block",
+    )
+    p.add_argument(
+        "--no-spans",
+        action="store_true",
+        help="one decision per block: no regions spanning consecutive blocks",
+    )
     p.add_argument("--json", metavar="FILE", default=None, help="also write the plan as JSON")
     p.set_defaults(run=main)
 
@@ -248,7 +258,9 @@ def main(args: argparse.Namespace) -> int:
                 + _hint(args.target or "", was_tuple)
             ) from None
         try:
-            chosen = plan(prof, args.budget, solver=args.solver)
+            chosen = plan(
+                prof, args.budget, solver=args.solver, spans=False if args.no_spans else None
+            )
         except (PlanError, ValueError) as e:
             raise UsageError(str(e)) from None
         print(

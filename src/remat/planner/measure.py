@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -95,6 +96,9 @@ class Profile:
         end_bytes / end_grads: bytes alive when backward returns (from the step's
             start), and how many of them are gradients.
         top_grads: gradient bytes alive at the end of the ``top`` window.
+        chained: for each block but the last, whether the next block received a tensor
+            this one returned (no code of the model between them): the blocks a span
+            may join. Empty (a profile from an older version): no spans.
     """
 
     blocks: list[BlockCosts]
@@ -116,6 +120,7 @@ class Profile:
     end_bytes: int = 0
     end_grads: int = 0
     top_grads: int = 0
+    chained: list[bool] = dataclasses.field(default_factory=list)
 
     @property
     def static_step_bytes(self) -> int:
@@ -131,7 +136,9 @@ class Profile:
     @property
     def floor_bytes(self) -> int:
         """The smallest predicted step peak any plan reaches (absolute bytes)."""
-        return self.peak(*smallest_chain(self.blocks, self.top, self.decisions, 16)).bytes
+        return self.peak(
+            *smallest_chain(self.blocks, self.top, self.decisions, 16, self.chained)
+        ).bytes
 
     def peak(self, decisions: Sequence[str], spans: Sequence[Sequence[int]] = ()) -> StepPeak:
         """The step model's peak for a plan: one decision per block and ``(first, last)``
@@ -312,8 +319,10 @@ def profile(
     keep_step = 0.0
     opt_terms = (0, 0, 0)
     try:
-        calls = _CallCount()
-        count_handles = [m.register_forward_pre_hook(calls.hook(n)) for n, m in blocks.items()]
+        calls = _CallCount(names)
+        count_handles = [
+            m.register_forward_pre_hook(calls.hook(n), with_kwargs=True) for n, m in blocks.items()
+        ] + [m.register_forward_hook(calls.post(n), with_kwargs=True) for n, m in blocks.items()]
         try:
             step()  # warm-up; with set_to_none=False its gradients stay for every later step
         finally:
@@ -392,6 +401,7 @@ def profile(
         end_bytes=keep_line.end_bytes,
         end_grads=keep_line.end_grads,
         top_grads=keep_line.top_grads,
+        chained=calls.chained,
     )
     return agree_profile(prof) if agree else prof
 
@@ -545,17 +555,40 @@ class _BackwardStart:
 
 
 class _CallCount:
-    """How often each candidate block runs in one forward (recomputes not counted)."""
+    """How often each candidate block runs in one forward (recomputes not counted), and
+    whether each block received a tensor the block called just before it returned (the
+    blocks a span may join: nothing of the model's own code between them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: Sequence[str]) -> None:
         self.counts: dict[str, int] = {}
+        self.names = list(names)
+        self.chained = [False] * max(len(self.names) - 1, 0)
+        self.last: str | None = None  # the block that returned last
+        self.returned: list[weakref.ref[torch.Tensor]] = []
 
-    def hook(self, name: str) -> Callable[[Any, Any], None]:
-        def pre(module: Any, args: Any) -> None:
-            if not is_recomputing():
-                self.counts[name] = self.counts.get(name, 0) + 1
+    def hook(self, name: str) -> Callable[[Any, Any, Any], None]:
+        def pre(module: Any, args: Any, kwargs: Any) -> None:
+            if is_recomputing():
+                return
+            self.counts[name] = self.counts.get(name, 0) + 1
+            i = self.names.index(name)
+            if i > 0 and self.last == self.names[i - 1]:
+                got: list[torch.Tensor] = []
+                tensors_in((args, kwargs), got)
+                self.chained[i - 1] = any(r() is t for r in self.returned for t in got)
 
         return pre
+
+    def post(self, name: str) -> Callable[[Any, Any, Any, Any], None]:
+        def hook(module: Any, args: Any, kwargs: Any, out: Any) -> None:
+            if is_recomputing():
+                return
+            outs: list[torch.Tensor] = []
+            tensors_in(out, outs)
+            self.last = name
+            self.returned = [weakref.ref(t) for t in outs]
+
+        return hook
 
     def check(self, names: Sequence[str]) -> None:
         """Raise unless every block ran exactly once: the planner models a chain."""

@@ -172,7 +172,7 @@ def plan(
     budget: int | float | str,
     *,
     solver: str = "auto",
-    spans: bool = False,
+    spans: bool | None = None,
     max_span: int = 16,
 ) -> Plan:
     """Choose one decision per block: least predicted added time with predicted step peak <= budget.
@@ -189,15 +189,19 @@ def plan(
             percentage above ``0%`` (``"60%"``) of what the unchecked step allocates
             above its static bytes (parameters, buffers, inputs, kept gradients and
             optimizer state). Anything else raises ``ValueError``/``TypeError`` naming it.
-        solver: ``"milp"`` (HiGHS via scipy, the ``remat[plan]`` extra),
-            ``"dp"`` (exact dynamic program, no dependency) or ``"auto"``
-            (milp when scipy is installed, else dp). All are exact. With spans
-            the chain dynamic program of :func:`remat.planner.solve.solve_chain` is used.
+        solver: ``"auto"`` (default), ``"dp"`` or ``"milp"``, all exact. With spans
+            (the default) the chain dynamic program of
+            :func:`remat.planner.solve.solve_chain` plans (``"auto"`` and ``"dp"``);
+            ``"milp"`` (HiGHS via scipy, the ``remat[plan]`` extra) plans one decision
+            per block, so it implies ``spans=False``. Without spans ``"auto"`` is
+            milp when scipy is installed, else the per-block dynamic program.
         spans: also consider regions that span up to ``max_span`` consecutive
             blocks, each block checkpointed inside (``recompute``) or split into
             its children (``split``): this goes below the every-block floor, at
-            the cost of recomputing the span's blocks twice. ``False``: one
-            decision per block.
+            the cost of recomputing the span's blocks twice. Only blocks the model
+            calls back to back join a span (``Profile.chained``). ``None``
+            (default): ``True``, unless ``solver="milp"``. ``False``: one decision
+            per block. A span plan costs at most what the best per-block plan costs.
         max_span: the longest span considered (blocks).
 
     Returns:
@@ -223,14 +227,23 @@ def plan(
     unchecked = profile.unchecked_peak_bytes
     static = profile.static_step_bytes
     budget_bytes = parse_budget(budget, static, unchecked)
-    name = _solver(solver)
-    longest = max_span if spans else 1
-    if longest > 1 and name == "milp" and solver == "milp":
+    if spans is not None and not isinstance(spans, bool):
+        raise TypeError(f"remat.plan: spans must be True, False or None, got {spans!r}.")
+    if spans and solver == "milp":
         raise ValueError(
-            "remat.plan: solver='milp' plans one decision per block; pass spans=False with it, "
-            "or solver='dp' (or 'auto') to plan spans too."
+            "remat.plan: solver='milp' plans one decision per block, got spans=True with it. "
+            "Pass solver='auto' (or 'dp') to plan spans, or spans=False (or leave it out) "
+            "for the MILP."
         )
-    floor_ds, floor_spans = smallest_chain(blocks, profile.top, allowed, longest)
+    if spans is None:
+        spans = solver != "milp"
+    checked = _solver(solver)
+    name = "chain" if spans else checked
+    longest = max_span if spans else 1
+    chained = list(getattr(profile, "chained", []))
+    if len(chained) != max(len(blocks) - 1, 0):  # not recorded: no spans
+        chained = [False] * max(len(blocks) - 1, 0)
+    floor_ds, floor_spans = smallest_chain(blocks, profile.top, allowed, longest, chained)
     floor = profile.peak(floor_ds, floor_spans)
     if floor.bytes > budget_bytes:
         raise PlanError(_miss(budget_bytes, floor, unchecked))
@@ -242,6 +255,7 @@ def plan(
         tolerance=_tolerance(profile, allowed),
         solver=name,
         max_span=longest,
+        chained=chained,
     )
     if found is None:  # cannot happen when the floor fits; kept as a guard
         raise PlanError(_miss(budget_bytes, floor, unchecked))

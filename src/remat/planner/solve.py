@@ -23,69 +23,38 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from .model import (
-    SPAN_INNER,
-    BlockCosts,
-    Segment,
-    block_segment,
-    predicted_cost,
-    predicted_peak,
-    span_segment,
+from .chain import (
+    COMPLEXITY,
+    SPAN_COMPLEXITY,
+    choices,
+    cost_to_go,
+    segment_table,
+    simplest,
+    simplicity,
+    smallest,
+    unpack,
 )
+from .model import BlockCosts, predicted_cost, predicted_peak
 
-#: How complex a decision is (near-ties go to the smaller sum).
-COMPLEXITY = {"keep": 0, "selective": 1, "recompute": 2, "offload": 3, "split": 4}
-
-
-def choices(blocks: Sequence[BlockCosts], allowed: Sequence[str]) -> list[list[str]]:
-    return [[d for d in allowed if d in b.retained and d in b.cost] for b in blocks]
-
-
-def simplicity(n: int, i: int, d: str) -> int:
-    """Integer weight of decision ``d`` on block ``i`` of ``n``: complexity first, then position."""
-    c = COMPLEXITY.get(d, 4)
-    return c * (n * (n + 1) // 2 + 1) + (i + 1 if c else 0)
+__all__ = [
+    "COMPLEXITY",
+    "SPAN_COMPLEXITY",
+    "brute_force",
+    "choices",
+    "plan_simplicity",
+    "simplicity",
+    "smallest_chain",
+    "smallest_peak",
+    "solve",
+    "solve_chain",
+    "solve_dp",
+    "solve_milp",
+]
 
 
 def plan_simplicity(decisions: Sequence[str]) -> int:
     n = len(decisions)
     return sum(simplicity(n, i, d) for i, d in enumerate(decisions))
-
-
-#: A block inside a span counts this much more complex than the same decision alone.
-SPAN_COMPLEXITY = 5
-
-
-def segment_simplicity(n: int, seg: Segment) -> int:
-    """Integer weight of a segment (see :func:`simplicity`); spans weigh more than blocks."""
-    w = sum(simplicity(n, i, seg.decision) for i in range(seg.first, seg.last + 1))
-    if seg.span:
-        w += SPAN_COMPLEXITY * (n * (n + 1) // 2 + 1) * (seg.last - seg.first + 1)
-    return w
-
-
-def chain_segments(
-    blocks: Sequence[BlockCosts], allowed: Sequence[str], max_span: int
-) -> list[list[Segment]]:
-    """For each block, the segments that start there: the block alone under each allowed
-    decision, and spans of 2..``max_span`` blocks under each allowed inner decision."""
-    opts = choices(blocks, allowed)
-    n = len(blocks)
-    out: list[list[Segment]] = []
-    for a in range(n):
-        segs = [block_segment(blocks, a, d) for d in opts[a]]
-        for d in SPAN_INNER:
-            if d not in allowed:
-                continue
-            for z in range(a + 1, min(n, a + max_span)):
-                if d not in opts[z] or d not in opts[a]:
-                    break
-                segs.append(span_segment(blocks, a, z, d))
-        out.append(segs)
-    return out
-
-
-Entry = tuple[float, int, Any]  # cost, simplicity, path as (segment, parent path) cells
 
 
 def solve_chain(
@@ -96,79 +65,26 @@ def solve_chain(
     *,
     max_span: int = 16,
     cost_cap: float | None = None,
+    chained: Sequence[bool] | None = None,
 ) -> tuple[list[str], list[tuple[int, int]]] | None:
     """Exact optimum over per-block decisions and spans of consecutive blocks.
 
-    A dynamic program over chain positions whose state is the bytes saved so far
-    (every activation term of a segment is ``its peak - saved before it``), keeping
-    per position and state the Pareto front of (cost, simplicity): the checkpointing
-    chain DP of Chen et al. 2016 (arXiv:1604.06174) and Griewank & Walther's Revolve
-    (ACM TOMS 2000) for two nesting levels, with heterogeneous per-block costs and
-    memory as in Beaumont et al. 2019 (Rotor, arXiv:1911.13214). With ``cost_cap``:
-    the simplest plan whose cost is at most ``cost_cap``.
+    The chain dynamic program of :mod:`remat.planner.chain` (Chen et al. 2016,
+    arXiv:1604.06174; Griewank & Walther's Revolve, ACM TOMS 2000, for two nesting
+    levels; heterogeneous costs and memory as in Beaumont et al. 2019, Rotor,
+    arXiv:1911.13214). Without ``cost_cap``: a plan of the least cost; with it: the
+    simplest plan whose cost is at most ``cost_cap``. Spans join block ``i`` to ``i + 1``
+    only where ``chained[i]`` (default: everywhere).
 
     Returns ``(decisions, spans)`` (spans as ``(first, last)`` indices), or ``None``.
     """
     n = len(blocks)
-    segs = chain_segments(blocks, allowed, max(1, max_span))
-    second = cost_cap is not None
-    fronts: list[dict[int, list[Entry]]] = [{} for _ in range(n + 1)]
-    fronts[0] = {0: [(0.0, 0, None)]}
-    if not second:  # one entry a state: the cheapest (then simplest)
-        best: list[dict[int, Entry]] = [{} for _ in range(n + 1)]
-        best[0] = {0: (0.0, 0, None)}
-        for pos in range(n):
-            states = sorted(_prune_states({k: [e] for k, e in best[pos].items()}, False).items())
-            best[pos] = {}
-            keys = [k for k, _ in states]
-            for seg in segs[pos]:
-                simp = segment_simplicity(n, seg)
-                into = best[seg.last + 1]
-                start = bisect.bisect_left(keys, seg.peak - budget)
-                for saved, entries in states[start:]:
-                    cost, sp, path = entries[0]
-                    s2 = saved + seg.saved
-                    c2 = cost + seg.cost
-                    old = into.get(s2)
-                    if old is None or (c2, sp + simp) < (old[0], old[1]):
-                        into[s2] = (c2, sp + simp, (seg, path))
-        fronts[n] = {k: [e] for k, e in best[n].items()}
-    for pos in range(n if second else 0):
-        pruned = _prune_states(fronts[pos], by_simplicity=second)
-        fronts[pos] = {}
-        for seg in segs[pos]:
-            room = budget - seg.peak  # saved before must be >= -room
-            simp = segment_simplicity(n, seg)
-            target = fronts[seg.last + 1]
-            for saved, entries in pruned.items():
-                if saved < -room:
-                    continue
-                s2 = saved + seg.saved
-                for cost, sp, path in entries:
-                    c2 = cost + seg.cost
-                    if c2 > cost_cap:  # type: ignore[operator]
-                        continue
-                    target.setdefault(s2, []).append((c2, sp + simp, (seg, path)))
-    final = [e for s, es in fronts[n].items() if top - s <= budget for e in es]
-    if not final:
-        return None
-    key = (lambda e: (e[1], e[0])) if second else (lambda e: (e[0], e[1]))
-    return _unpack(min(final, key=key)[2])
-
-
-def _unpack(path: Any) -> tuple[list[str], list[tuple[int, int]]]:
-    """``(decisions, spans)`` from a path of ``(segment, parent)`` cells."""
-    segs: list[Segment] = []
-    while path is not None:
-        seg, path = path
-        segs.append(seg)
-    decisions: list[str] = []
-    spans: list[tuple[int, int]] = []
-    for seg in reversed(segs):
-        decisions.extend([seg.decision] * (seg.last - seg.first + 1))
-        if seg.span:
-            spans.append((seg.first, seg.last))
-    return decisions, spans
+    t = segment_table(blocks, allowed, max(1, max_span), chained)
+    ctg = cost_to_go(t, n, top, budget)
+    if cost_cap is None:
+        return None if ctg.least() is None else unpack(t, ctg.cheapest(t))
+    rows = simplest(t, n, budget, ctg, cost_cap)
+    return None if rows is None else unpack(t, rows)
 
 
 def solve(
@@ -180,25 +96,28 @@ def solve(
     tolerance: float = 0.0,
     solver: str = "milp",
     max_span: int = 1,
+    chained: Sequence[bool] | None = None,
 ) -> tuple[list[str], list[tuple[int, int]]] | None:
     """The simplest plan within ``tolerance`` of the least cost: ``(decisions, spans)``, or
     ``None`` when none fits. ``max_span > 1`` allows spans (solved by :func:`solve_chain`);
     otherwise ``solver`` picks the MILP or the per-block DP."""
     if max_span > 1 or solver == "chain":
-        found = solve_chain(blocks, top, budget, allowed, max_span=max_span)
-        if found is None:
+        n = len(blocks)
+        t = segment_table(blocks, allowed, max(1, max_span), chained)
+        ctg = cost_to_go(t, n, top, budget)
+        least = ctg.least()
+        if least is None:
             return None
-        cap = _cap(predicted_cost(blocks, found[0], found[1]), tolerance)
-        simple = solve_chain(blocks, top, budget, allowed, max_span=max_span, cost_cap=cap)
-        return found if simple is None else simple
+        rows = simplest(t, n, budget, ctg, _cap(least, tolerance))
+        return unpack(t, ctg.cheapest(t) if rows is None else rows)
     one = solve_milp if solver == "milp" else solve_dp
     best = one(blocks, top, budget, allowed)
     if best is None:
         return None
-    simplest = one(
+    simple = one(
         blocks, top, budget, allowed, cost_cap=_cap(predicted_cost(blocks, best), tolerance)
     )
-    return (best if simplest is None else simplest), []
+    return (best if simple is None else simple), []
 
 
 def _cap(cost: float, tolerance: float) -> float:
@@ -388,34 +307,16 @@ def solve_milp(
 
 
 def smallest_chain(
-    blocks: Sequence[BlockCosts], top: int, allowed: Sequence[str], max_span: int
+    blocks: Sequence[BlockCosts],
+    top: int,
+    allowed: Sequence[str],
+    max_span: int,
+    chained: Sequence[bool] | None = None,
 ) -> tuple[list[str], list[tuple[int, int]]]:
-    """A plan (with spans up to ``max_span`` blocks) of the smallest predicted activation peak."""
-    n = len(blocks)
-    segs = chain_segments(blocks, allowed, max(1, max_span))
-    fronts: list[dict[int, tuple[int, tuple[Segment, ...]]]] = [{} for _ in range(n + 1)]
-    fronts[0] = {0: (-(2**62), ())}
-    for pos in range(n):
-        best_peak: int | None = None
-        for saved in sorted(fronts[pos], reverse=True):  # drop states saving less at no lower peak
-            peak, path = fronts[pos][saved]
-            if best_peak is not None and peak >= best_peak:
-                continue
-            best_peak = peak
-            for seg in segs[pos]:
-                p2 = max(peak, seg.peak - saved)
-                s2 = saved + seg.saved
-                old = fronts[seg.last + 1].get(s2)
-                if old is None or p2 < old[0]:
-                    fronts[seg.last + 1][s2] = (p2, (*path, seg))
-    _, best = min(fronts[n].items(), key=lambda kv: max(kv[1][0], top - kv[0]))
-    decisions: list[str] = []
-    spans: list[tuple[int, int]] = []
-    for seg in best[1]:
-        decisions.extend([seg.decision] * (seg.last - seg.first + 1))
-        if seg.span:
-            spans.append((seg.first, seg.last))
-    return decisions, spans
+    """A plan (with spans up to ``max_span`` blocks, joining blocks only where ``chained``)
+    of the smallest predicted activation peak."""
+    t = segment_table(blocks, allowed, max(1, max_span), chained)
+    return unpack(t, smallest(t, len(blocks), top))
 
 
 def smallest_peak(blocks: Sequence[BlockCosts], top: int, allowed: Sequence[str]) -> int:

@@ -1,0 +1,448 @@
+"""The chain dynamic program: exact plans over single blocks and spans of consecutive blocks.
+
+A plan cuts the chain of blocks into *segments*: a block alone under a decision
+(``keep``, ``recompute``, ``selective``, ``offload``, ``split``) or a span of
+2..``max_span`` consecutive blocks checkpointed as one region, each block
+checkpointed inside it (``recompute`` or ``split``: two nesting levels). Every
+activation term of a segment is ``term - s``, ``s`` the bytes the segments before
+it saved (:class:`~remat.planner.model.Segment`), so a segment is summed up by
+its ``peak``, ``saved`` and ``cost``, and a plan fits ``budget`` when every
+segment's ``peak - s <= budget`` and ``top - s_n <= budget`` at the end.
+
+This is the checkpointing chain dynamic program of Chen et al. 2016 ("Training
+Deep Nets with Sublinear Memory Cost", arXiv:1604.06174) and of Griewank &
+Walther's Revolve (ACM TOMS 26(1), 2000) restricted to two nesting levels, with
+heterogeneous per-block costs and memory as in Beaumont et al. 2019 ("Optimal
+checkpointing for heterogeneous chains", Rotor, arXiv:1911.13214), in the step
+model's units. It is exact: nothing is rounded, states are pruned only by
+dominance or by bounds that no optimal plan crosses.
+
+Solving is two passes over the segment table:
+
+1. **Backward** (:func:`cost_to_go`): for each position ``p`` the Pareto front of
+   the suffix plans from ``p`` in (``need``: the bytes the prefix must have saved
+   for the suffix to fit, ``cost``). A suffix needing less at no more cost
+   dominates. ``need`` is clamped to the range of bytes a prefix can save at all
+   (below the least it is always met; above the most it never is), which keeps
+   the fronts small. Front 0 gives the least cost ``C*``, and every front gives
+   the exact least cost to complete a prefix that saved ``s``: ``h(p, s)``.
+2. **Forward** (:func:`simplest`): the simplest plan of cost at most a cap (``C*``
+   plus the timing noise): states ``(saved, cost, simplicity)``, a state kept
+   only when ``cost + h(p, saved) <= cap`` (it can still finish within the cap)
+   and no other state saved at least as much at no more cost and simplicity.
+
+Both passes are vectorized over the states with ``torch`` tensors on the CPU
+(int64 bytes, float64 costs), so the Python work is per segment, not per state:
+about 0.1 s for 100 blocks with spans of up to 16 (see ``benchmarks/solve_time.py``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from .model import SPAN_INNER, BlockCosts
+
+#: How complex a decision is (near-ties go to the smaller sum).
+COMPLEXITY = {"keep": 0, "selective": 1, "recompute": 2, "offload": 3, "split": 4}
+
+#: A block inside a span counts this much more complex than the same decision alone.
+SPAN_COMPLEXITY = 5
+
+NEVER = -(2**62)  # a term that never binds (as in the step model)
+_INF = float("inf")
+
+
+def choices(blocks: Sequence[BlockCosts], allowed: Sequence[str]) -> list[list[str]]:
+    """For each block, the allowed decisions it was measured under."""
+    return [[d for d in allowed if d in b.retained and d in b.cost] for b in blocks]
+
+
+def simplicity(n: int, i: int, d: str) -> int:
+    """Integer weight of decision ``d`` on block ``i`` of ``n``: complexity first, then position."""
+    c = COMPLEXITY.get(d, 4)
+    return c * (n * (n + 1) // 2 + 1) + (i + 1 if c else 0)
+
+
+@dataclasses.dataclass
+class Segments:
+    """Every segment of a chain: parallel lists (row ``k`` is one segment), tensors of the
+    numbers, and the rows that start at / end before each position."""
+
+    first: list[int]
+    last: list[int]
+    decision: list[str]
+    span: list[bool]
+    peak: list[int]
+    saved: list[int]
+    cost: list[float]
+    simp: list[int]
+    starting: list[list[int]]  # rows whose first block is p
+    ending: list[list[int]]  # rows whose last block is p - 1 (p = 1..n)
+    columns: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def column(self, name: str) -> torch.Tensor:
+        """``peak``, ``saved``, ``cost`` or ``simp`` as a tensor (made once)."""
+        if name not in self.columns:
+            dtype = torch.float64 if name == "cost" else torch.int64
+            self.columns[name] = torch.tensor(getattr(self, name), dtype=dtype)
+        return self.columns[name]
+
+    def add(
+        self, a: int, z: int, d: str, span: bool, peak: int, saved: int, cost: float, simp: int
+    ):
+        k = len(self.first)
+        self.first.append(a)
+        self.last.append(z)
+        self.decision.append(d)
+        self.span.append(span)
+        self.peak.append(peak)
+        self.saved.append(saved)
+        self.cost.append(cost)
+        self.simp.append(simp)
+        self.starting[a].append(k)
+        self.ending[z + 1].append(k)
+
+
+def segment_table(
+    blocks: Sequence[BlockCosts],
+    allowed: Sequence[str],
+    max_span: int,
+    chained: Sequence[bool] | None = None,
+) -> Segments:
+    """Every block alone under each allowed decision and every span of 2..``max_span``
+    blocks under each allowed inner decision, with the numbers of
+    :func:`~remat.planner.model.block_segment` / :func:`~remat.planner.model.span_segment`
+    (equal to them, float sums in the same order), in O(1) a span by running sums. A span
+    joins block ``i`` to block ``i + 1`` only where ``chained[i]`` (default: everywhere)."""
+    n = len(blocks)
+    w = n * (n + 1) // 2 + 1
+    opts = choices(blocks, allowed)
+    t = Segments(
+        [], [], [], [], [], [], [], [], [[] for _ in range(n + 1)], [[] for _ in range(n + 1)]
+    )
+    for a in range(n):
+        b = blocks[a]
+        for d in opts[a]:
+            saved = b.retained["keep"] - b.retained[d]
+            peak = max(b.fwd_start + b.fwd_excess[d], b.bwd_start - saved + b.bwd_excess[d])
+            t.add(a, a, d, False, peak, saved, float(b.cost[d]), simplicity(n, a, d))
+        for d in SPAN_INNER:
+            if d not in allowed or d not in opts[a]:
+                continue
+            inner = 0  # sum_{a<=j<i} (retained[j][keep] - R_j): saved by the blocks alone
+            kept = 0  # P_i = sum_{a<=j<i} R_j
+            kept_prev = 0  # P_{i-1}
+            peak = NEVER  # the forward and backward terms of blocks a..i
+            recompute = NEVER  # max_{a<=j<i} P_j + fwd_excess[j]
+            cost_d: float = 0  # sum_{a<=j<=i} cost[j][d], summed as span_segment does
+            cost_r: float = 0  # sum_{a<=j<i} cost[j][recompute]
+            simp = 0
+            for i in range(a, min(n, a + max_span)):
+                if d not in opts[i] or (i > a and chained is not None and not chained[i - 1]):
+                    break
+                bi = blocks[i]
+                r = bi.retained[d]
+                fwd = bi.fwd_start - inner - kept_prev + bi.fwd_excess[d]
+                inner += bi.retained["keep"] - r
+                bwd = bi.bwd_start - inner + bi.bwd_excess[d]
+                peak = max(peak, fwd, bwd)
+                cost_d = cost_d + bi.cost[d]
+                simp += simplicity(n, i, d)
+                if i > a:
+                    rec = bi.bwd_start - inner - kept + recompute
+                    t.add(
+                        a,
+                        i,
+                        d,
+                        True,
+                        max(peak, rec),
+                        inner + kept,
+                        float(cost_d + cost_r),
+                        simp + SPAN_COMPLEXITY * w * (i - a + 1),
+                    )
+                recompute = max(recompute, kept + bi.fwd_excess[d])
+                cost_r = cost_r + bi.cost.get("recompute", 0.0)
+                kept_prev = kept
+                kept += r
+    return t
+
+
+def saved_range(t: Segments, n: int, budget: int) -> tuple[list[int], list[int]]:
+    """The least bytes any prefix of ``p`` blocks saves (fitting or not), and the most a
+    prefix that fits ``budget`` saves (``NEVER`` when none fits). The latter is exact by one
+    number a position: saving more never makes a segment's terms larger, so the prefix
+    saving the most continues wherever any prefix does."""
+    lo: list[int | None] = [None] * (n + 1)
+    hi = [NEVER] * (n + 1)
+    lo[0] = hi[0] = 0
+    for p in range(n):
+        lp, hp = lo[p], hi[p]
+        if lp is None:
+            continue
+        for k in t.starting[p]:
+            e = t.last[k] + 1
+            lo_e = lp + t.saved[k]
+            lo[e] = lo_e if lo[e] is None else min(lo[e], lo_e)  # type: ignore[type-var]
+            if hp != NEVER and hp >= t.peak[k] - budget:
+                hi[e] = max(hi[e], hp + t.saved[k])
+    return [0 if x is None else x for x in lo], hi
+
+
+def _pareto(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """Indices of the entries no other entry beats in both (smaller is better), by ``first``
+    ascending and ``second`` strictly descending; of equal entries the first.
+
+    One stable sort by ``first``: an entry is kept when its ``second`` is below every one
+    before it, then of the kept ones with the same ``first`` only the last (the least)."""
+    order = torch.sort(first, stable=True).indices
+    f, s = first[order], second[order]
+    keep = torch.ones_like(s, dtype=torch.bool)
+    if s.numel() > 1:
+        keep[1:] = s[1:] < torch.cummin(s, 0).values[:-1]
+    order, f = order[keep], f[keep]
+    last = torch.ones_like(f, dtype=torch.bool)
+    last[:-1] = f[1:] != f[:-1]
+    return order[last]
+
+
+def _pairs(
+    rows: list[int], source: list[int], size: list[int]
+) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every pair of a segment row and an entry of the front at the row's ``source``
+    position: the distinct sources (in order of first use), and per pair the row, the
+    entry's index in its front and its index in the sources' fronts concatenated."""
+    sources: list[int] = []
+    offset: dict[int, int] = {}
+    total = 0
+    for r in rows:
+        a = source[r]
+        if a not in offset:
+            offset[a] = total
+            sources.append(a)
+            total += size[a]
+    counts = [size[source[r]] for r in rows]
+    starts, pair_total = [], 0
+    for c in counts:
+        starts.append(pair_total)
+        pair_total += c
+    i64 = torch.int64
+    counts_t = torch.tensor(counts, dtype=i64)
+    row = torch.repeat_interleave(torch.tensor(rows, dtype=i64), counts_t, output_size=pair_total)
+    at = torch.arange(pair_total, dtype=i64)
+    local = at - torch.repeat_interleave(
+        torch.tensor(starts, dtype=i64), counts_t, output_size=pair_total
+    )
+    base = torch.tensor([offset[source[r]] for r in rows], dtype=i64)
+    flat = local + torch.repeat_interleave(base, counts_t, output_size=pair_total)
+    return sources, row, local, flat
+
+
+@dataclasses.dataclass
+class CostToGo:
+    """The backward fronts: per position ``need`` ascending and ``cost`` strictly descending,
+    with each entry's first segment and its entry in the next front."""
+
+    need: list[torch.Tensor]
+    cost: list[torch.Tensor]
+    seg: list[torch.Tensor]
+    nxt: list[torch.Tensor]
+
+    def least(self) -> float | None:
+        """The least cost of a plan that fits (``None``: none does)."""
+        need, cost = self.need[0], self.cost[0]
+        k = int(torch.searchsorted(need, torch.tensor([0]), right=True)[0])
+        return None if k == 0 else float(cost[k - 1])
+
+    def h(self, p: int, saved: torch.Tensor) -> torch.Tensor:
+        """The least cost to finish from position ``p`` after saving ``saved`` (inf: cannot)."""
+        need, cost = self.need[p], self.cost[p]
+        k = torch.searchsorted(need, saved, right=True)
+        padded = torch.cat([torch.tensor([_INF], dtype=torch.float64), cost])
+        return padded[k]
+
+    def cheapest(self, t: Segments) -> list[int]:
+        """The rows of a least-cost plan."""
+        rows: list[int] = []
+        need = self.need[0]
+        j = int(torch.searchsorted(need, torch.tensor([0]), right=True)[0]) - 1
+        p = 0
+        n = len(self.need) - 1
+        while p < n:
+            k = int(self.seg[p][j])
+            rows.append(k)
+            j = int(self.nxt[p][j])
+            p = t.last[k] + 1
+        return rows
+
+
+def cost_to_go(t: Segments, n: int, top: int, budget: int) -> CostToGo:
+    """The backward pass (see the module docstring)."""
+    lo, hi = saved_range(t, n, budget)
+    i64, f64 = torch.int64, torch.float64
+    empty_i, empty_f = torch.empty(0, dtype=i64), torch.empty(0, dtype=f64)
+    need = [empty_i] * (n + 1)
+    cost = [empty_f] * (n + 1)
+    seg = [empty_i] * (n + 1)
+    nxt = [empty_i] * (n + 1)
+    last = top - budget  # the end needs saved >= top - budget
+    if last <= hi[n]:
+        need[n] = torch.tensor([max(last, lo[n])], dtype=i64)
+        cost[n] = torch.zeros(1, dtype=f64)
+        seg[n] = torch.full((1,), -1, dtype=i64)
+        nxt[n] = torch.full((1,), -1, dtype=i64)
+    peak, saved, seg_cost = t.column("peak"), t.column("saved"), t.column("cost")
+    after = [t.last[k] + 1 for k in range(len(t.last))]
+    size = [0] * (n + 1)
+    size[n] = need[n].numel()
+    for p in range(n - 1, -1, -1):
+        rows = [k for k in t.starting[p] if size[after[k]]]
+        if not rows:
+            continue
+        sources, row, local, flat = _pairs(rows, after, size)
+        nd = torch.cat([need[e] for e in sources])[flat] - saved[row]
+        nd = torch.maximum(nd, peak[row] - budget).clamp_min_(lo[p])
+        c = torch.cat([cost[e] for e in sources])[flat] + seg_cost[row]
+        fits = torch.nonzero(nd <= hi[p]).flatten()
+        nd, c = nd[fits], c[fits]
+        order = _pareto(nd, c)
+        need[p], cost[p] = nd[order], c[order]
+        keep = fits[order]
+        seg[p], nxt[p] = row[keep], local[keep]
+        size[p] = need[p].numel()
+    return CostToGo(need, cost, seg, nxt)
+
+
+#: Up to this many states, dominance is checked all pairs at once (k * k booleans).
+PAIRWISE = 512
+
+
+def _undominated(saved: torch.Tensor, cost: torch.Tensor, simp: torch.Tensor) -> torch.Tensor:
+    """Indices (ascending) of the states no other state beats: saved more or equal, cost and
+    simplicity less or equal; of equal states the first."""
+    k = saved.numel()
+    if k <= PAIRWISE:
+        s, c, p = saved[None, :], cost[None, :], simp[None, :]  # j: columns, i: rows
+        ge = (s >= saved[:, None]) & (c <= cost[:, None]) & (p <= simp[:, None])
+        better = (s > saved[:, None]) | (c < cost[:, None]) | (p < simp[:, None])
+        earlier = torch.ones(k, k, dtype=torch.bool).tril_(-1)  # j < i
+        return torch.nonzero(~(ge & (better | earlier)).any(1)).flatten()
+    return torch.tensor(_staircase(saved.tolist(), cost.tolist(), simp.tolist()), dtype=torch.int64)
+
+
+def _staircase(saved: list[int], cost: list[float], simp: list[int]) -> list[int]:
+    """:func:`_undominated` for many states: visited by saved descending, the kept ones form
+    a staircase (cost ascending, simplicity strictly descending), so each check is one
+    binary search."""
+    order = sorted(range(len(saved)), key=lambda i: (-saved[i], cost[i], simp[i], i))
+    costs: list[float] = []
+    simps: list[int] = []
+    out: list[int] = []
+    for i in order:
+        c, s = cost[i], simp[i]
+        k = bisect.bisect_right(costs, c) - 1
+        if k >= 0 and simps[k] <= s:
+            continue
+        out.append(i)
+        k += 1
+        m = k
+        while m < len(costs) and simps[m] >= s:
+            m += 1
+        costs[k:m] = [c]
+        simps[k:m] = [s]
+    return sorted(out)
+
+
+def simplest(t: Segments, n: int, budget: int, ctg: CostToGo, cap: float) -> list[int] | None:
+    """The forward pass: the rows of the simplest plan of cost <= ``cap`` (then the cheapest,
+    then the one that saves the most bytes by the end)."""
+    i64, f64 = torch.int64, torch.float64
+    saved: list[torch.Tensor] = [torch.empty(0, dtype=i64)] * (n + 1)
+    cost: list[torch.Tensor] = [torch.empty(0, dtype=f64)] * (n + 1)
+    simp: list[torch.Tensor] = [torch.empty(0, dtype=i64)] * (n + 1)
+    parent: list[torch.Tensor] = [torch.empty(0, dtype=i64)] * (n + 1)
+    seg: list[torch.Tensor] = [torch.empty(0, dtype=i64)] * (n + 1)
+    start = torch.zeros(1, dtype=i64)
+    if not float(ctg.h(0, start)[0]) <= cap:
+        return None
+    saved[0], cost[0], simp[0] = start, torch.zeros(1, dtype=f64), torch.zeros(1, dtype=i64)
+    parent[0] = seg[0] = torch.full((1,), -1, dtype=i64)
+    peak, seg_saved, seg_cost, seg_simp = (t.column(c) for c in ("peak", "saved", "cost", "simp"))
+    size = [0] * (n + 1)
+    size[0] = 1
+    for p in range(1, n + 1):
+        rows = [k for k in t.ending[p] if size[t.first[k]]]
+        if not rows:
+            continue
+        sources, row, local, flat = _pairs(rows, t.first, size)
+        s0 = torch.cat([saved[a] for a in sources])[flat]
+        ok = torch.nonzero(s0 >= peak[row] - budget).flatten()  # the segment fits
+        row, local, flat = row[ok], local[ok], flat[ok]
+        s = s0[ok] + seg_saved[row]
+        c = torch.cat([cost[a] for a in sources])[flat] + seg_cost[row]
+        ok = torch.nonzero(c + ctg.h(p, s) <= cap).flatten()  # the rest can fit within the cap
+        if ok.numel() == 0:
+            continue
+        row, local, flat, s, c = row[ok], local[ok], flat[ok], s[ok], c[ok]
+        sp = torch.cat([simp[a] for a in sources])[flat] + seg_simp[row]
+        keep = _undominated(s, c, sp)
+        saved[p], cost[p], simp[p] = s[keep], c[keep], sp[keep]
+        parent[p], seg[p] = local[keep], row[keep]
+        size[p] = keep.numel()
+    if simp[n].numel() == 0:
+        return None
+    # the simplest, then the cheapest, then the one saving the most (the lowest last term)
+    ends = zip(simp[n].tolist(), cost[n].tolist(), (-saved[n]).tolist(), range(size[n]))
+    return _walk(t, seg, parent, min(ends)[3])
+
+
+def _walk(t: Segments, seg: list[torch.Tensor], parent: list[torch.Tensor], j: int) -> list[int]:
+    """The rows of the plan ending in entry ``j`` of the last forward front, in chain order."""
+    out: list[int] = []
+    p = len(seg) - 1
+    while p > 0:
+        k = int(seg[p][j])
+        out.append(k)
+        j = int(parent[p][j])
+        p = t.first[k]
+    return out[::-1]
+
+
+def unpack(t: Segments, rows: Sequence[int]) -> tuple[list[str], list[tuple[int, int]]]:
+    """``(decisions, spans)`` of a plan given as segment rows in chain order."""
+    decisions: list[str] = []
+    spans: list[tuple[int, int]] = []
+    for k in rows:
+        decisions.extend([t.decision[k]] * (t.last[k] - t.first[k] + 1))
+        if t.span[k]:
+            spans.append((t.first[k], t.last[k]))
+    return decisions, spans
+
+
+def smallest(t: Segments, n: int, top: int) -> list[int]:
+    """The rows of a plan of the smallest activation peak: a forward pass whose states are
+    ``(saved, the largest term so far)``, a state kept when no other saved at least as much
+    with no larger peak."""
+    i64 = torch.int64
+    saved: list[torch.Tensor] = [torch.zeros(1, dtype=i64)] + [torch.empty(0, dtype=i64)] * n
+    worst: list[torch.Tensor] = [torch.full((1,), NEVER, dtype=i64)] + [saved[1]] * n
+    parent: list[torch.Tensor] = [torch.full((1,), -1, dtype=i64)] + [saved[1]] * n
+    seg: list[torch.Tensor] = [parent[0]] + [saved[1]] * n
+    peak, seg_saved = t.column("peak"), t.column("saved")
+    size = [1] + [0] * n
+    for p in range(1, n + 1):
+        rows = [k for k in t.ending[p] if size[t.first[k]]]
+        if not rows:
+            continue
+        sources, row, local, flat = _pairs(rows, t.first, size)
+        s0 = torch.cat([saved[a] for a in sources])[flat]
+        w = torch.maximum(torch.cat([worst[a] for a in sources])[flat], peak[row] - s0)
+        s = s0 + seg_saved[row]
+        keep = _pareto(-s, w)
+        saved[p], worst[p], parent[p], seg[p] = s[keep], w[keep], local[keep], row[keep]
+        size[p] = keep.numel()
+    final = torch.maximum(worst[n], top - saved[n])
+    return _walk(t, seg, parent, int(torch.argmin(final)))  # the first of the least

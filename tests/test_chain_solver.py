@@ -1,0 +1,257 @@
+"""The chain dynamic program (blocks and spans) against brute force and a plain reference DP."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from remat.planner.chain import (
+    COMPLEXITY,
+    NEVER,
+    SPAN_COMPLEXITY,
+    cost_to_go,
+    segment_table,
+    simplest,
+    simplicity,
+)
+from remat.planner.model import (
+    SPAN_INNER,
+    BlockCosts,
+    block_segment,
+    predicted_cost,
+    predicted_peak,
+    span_segment,
+)
+from remat.planner.solve import smallest_chain, solve, solve_chain
+
+DECS = ("keep", "recompute", "selective", "split")
+
+
+def random_chain(seed: int, n: int, decs=DECS) -> tuple[list[BlockCosts], int]:
+    """Heterogeneous blocks: some cannot split, a selective cache may hold more than keep,
+    some blocks have no backward window, costs on a 0.1 grid (so ties happen)."""
+    rng = random.Random(seed)
+    live = rng.randint(500, 1500)
+    blocks = []
+    for i in range(n):
+        keep = rng.randint(100, 400)
+        retained = {
+            "keep": keep,
+            "selective": rng.randint(40, keep + 30),
+            "recompute": rng.randint(5, 40),
+            "split": rng.randint(5, 60),
+            "offload": rng.randint(5, 40),
+        }
+        cost = {
+            "keep": 0.0,
+            "selective": rng.randint(1, 5) / 10,
+            "recompute": rng.randint(5, 12) / 10,
+            "split": rng.randint(10, 20) / 10,
+            "offload": rng.randint(2, 15) / 10,
+        }
+        no_bwd = rng.random() < 0.1
+        b = BlockCosts(
+            name=f"blocks.{i}",
+            retained={d: retained[d] for d in decs},
+            fwd_excess={d: rng.randint(10, 150) for d in decs},
+            bwd_excess={d: NEVER if no_bwd else rng.randint(20, 500) for d in decs},
+            cost={d: cost[d] for d in decs},
+            fwd_start=live,
+            bwd_start=0,
+        )
+        if "split" in decs and rng.random() < 0.25:  # a block that cannot split
+            del b.retained["split"], b.cost["split"]
+        blocks.append(b)
+        live += keep
+    top = live + rng.randint(0, 300)
+    for i, b in enumerate(blocks):
+        b.bwd_start = sum(x.retained["keep"] for x in blocks[: i + 1]) + 800 + 30 * (n - i)
+    return blocks, top
+
+
+def layouts(blocks, decs, max_span):
+    """Every plan: a block alone under a decision it has, or a span under one inner decision."""
+    n = len(blocks)
+
+    def rec(i):
+        if i == n:
+            yield []
+            return
+        for d in decs:
+            if d in blocks[i].cost:
+                for rest in rec(i + 1):
+                    yield [(i, i, d, False)] + rest
+        for d in SPAN_INNER:
+            if d not in decs:
+                continue
+            for z in range(i + 1, min(n, i + max_span)):
+                if any(d not in blocks[j].cost for j in range(i, z + 1)):
+                    break
+                for rest in rec(z + 1):
+                    yield [(i, z, d, True)] + rest
+
+    for lay in rec(0):
+        ds = [d for a, z, d, _ in lay for _ in range(a, z + 1)]
+        yield ds, [(a, z) for a, z, _, span in lay if span]
+
+
+def _floor(blocks, top, decs, max_span):
+    ds, sp = smallest_chain(blocks, top, decs, max_span)
+    return ds, 0, sp
+
+
+def weight(n, ds, spans, first=0):
+    """A plan's simplicity, from its definition (``ds`` the decisions of blocks ``first..``)."""
+    w = n * (n + 1) // 2 + 1
+    total = sum(
+        COMPLEXITY[d] * w + (i + 1 if COMPLEXITY[d] else 0) for i, d in enumerate(ds, first)
+    )
+    return total + sum(SPAN_COMPLEXITY * w * (z - a + 1) for a, z in spans)
+
+
+def test_segment_table_equals_the_step_model_segments():
+    for seed in range(20):
+        blocks, _ = random_chain(seed, 12)
+        t = segment_table(blocks, DECS, 16)
+        for k in range(len(t.first)):
+            a, z, d = t.first[k], t.last[k], t.decision[k]
+            seg = span_segment(blocks, a, z, d) if t.span[k] else block_segment(blocks, a, d)
+            assert (t.peak[k], t.saved[k], t.cost[k]) == (seg.peak, seg.saved, seg.cost)
+            assert t.simp[k] == weight(12, [d] * (z - a + 1), [(a, z)] if t.span[k] else [], a)
+        # every span of every length that the blocks allow, and nothing else
+        spans = {(t.first[k], t.last[k], t.decision[k]) for k in range(len(t.first)) if t.span[k]}
+        expected = {
+            (a, z, d)
+            for d in SPAN_INNER
+            for a in range(12)
+            for z in range(a + 1, min(12, a + 16))
+            if all(d in blocks[j].cost for j in range(a, z + 1))
+        }
+        assert spans == expected
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_chain_dp_finds_the_brute_force_optimum_and_the_simplest_plan_within_the_cap(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 6)
+    decs = DECS if seed % 2 else ("keep", "recompute", "selective", "offload", "split")
+    blocks, top = random_chain(seed, n, decs)
+    max_span = rng.choice([1, 2, 3, 16])
+    plans = list(layouts(blocks, decs, max_span))
+    peaks = [predicted_peak(blocks, top, ds, 0, sp) for ds, sp in plans]
+    costs = [predicted_cost(blocks, ds, sp) for ds, sp in plans]
+    lo, hi = min(peaks), max(peaks)
+    assert predicted_peak(blocks, top, *_floor(blocks, top, decs, max_span)) == lo
+    for budget in sorted({lo - 1, lo, lo + (hi - lo) // 5, (lo + hi) // 2, hi}):
+        fits = [i for i, pk in enumerate(peaks) if pk <= budget]
+        found = solve_chain(blocks, top, budget, decs, max_span=max_span)
+        if not fits:
+            assert found is None
+            assert solve(blocks, top, budget, decs, solver="chain", max_span=max_span) is None
+            continue
+        best = min(costs[i] for i in fits)
+        assert found is not None
+        assert predicted_peak(blocks, top, found[0], 0, found[1]) <= budget
+        assert predicted_cost(blocks, *found) == pytest.approx(best, abs=1e-9)
+        for tolerance in (0.0, 0.15, 0.5):
+            cap = best + tolerance + 1e-9
+            simplest_weight = min(weight(n, *plans[i]) for i in fits if costs[i] <= cap)
+            ds, sp = solve(
+                blocks, top, budget, decs, tolerance=tolerance, solver="chain", max_span=max_span
+            )
+            assert predicted_peak(blocks, top, ds, 0, sp) <= budget
+            assert predicted_cost(blocks, ds, sp) <= cap
+            assert weight(n, ds, sp) == simplest_weight
+
+
+# ---------------------------------------------------------------- a plain reference DP
+
+
+def reference_chain(blocks, top, budget, allowed, max_span, cost_cap=None):
+    """The chain DP without vectorization, bounds or cross-state pruning: per position a
+    dict ``saved -> [(cost, simplicity, plan)]``, each list pruned to its Pareto front."""
+    n = len(blocks)
+    w = n * (n + 1) // 2 + 1
+    segs = [[] for _ in range(n)]
+    for a in range(n):
+        for d in allowed:
+            if d in blocks[a].cost:
+                segs[a].append(block_segment(blocks, a, d))
+        for d in SPAN_INNER:
+            if d not in allowed:
+                continue
+            for z in range(a + 1, min(n, a + max_span)):
+                if any(d not in blocks[j].cost for j in range(a, z + 1)):
+                    break
+                segs[a].append(span_segment(blocks, a, z, d))
+    fronts = [{} for _ in range(n + 1)]
+    fronts[0] = {0: [(0.0, 0, ())]}
+    for pos in range(n):
+        for saved, entries in fronts[pos].items():
+            for seg in segs[pos]:
+                if seg.peak - saved > budget:
+                    continue
+                simp = sum(simplicity(n, i, seg.decision) for i in range(seg.first, seg.last + 1))
+                if seg.span:
+                    simp += SPAN_COMPLEXITY * w * (seg.last - seg.first + 1)
+                into = fronts[seg.last + 1].setdefault(saved + seg.saved, [])
+                for cost, sp, path in entries:
+                    c2 = cost + seg.cost
+                    if cost_cap is None or c2 <= cost_cap:
+                        into.append((c2, sp + simp, (*path, seg)))
+        for e in range(pos + 1, n + 1):
+            for s2, entries in fronts[e].items():
+                fronts[e][s2] = _front(entries, cost_cap is not None)
+    final = [e for s, es in fronts[n].items() if top - s <= budget for e in es]
+    if not final:
+        return None
+    if cost_cap is None:
+        return min(final, key=lambda e: (e[0], e[1]))
+    return min(final, key=lambda e: (e[1], e[0]))
+
+
+def _front(entries, by_simplicity):
+    if not by_simplicity:
+        return [min(entries, key=lambda e: (e[0], e[1]))]
+    out, simps = [], []
+    for e in sorted(entries, key=lambda e: (e[0], e[1])):
+        if not simps or e[1] < simps[-1]:
+            out.append(e)
+            simps.append(e[1])
+    return out
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_chain_dp_matches_the_plain_reference_dp_on_longer_chains(seed):
+    rng = random.Random(100 + seed)
+    n = rng.randint(7, 11)
+    blocks, top = random_chain(100 + seed, n)
+    max_span = rng.choice([2, 4, 16])
+    t = segment_table(blocks, DECS, max_span)
+    ds, sp = smallest_chain(blocks, top, DECS, max_span)
+    lo = predicted_peak(blocks, top, ds, 0, sp)
+    hi = predicted_peak(blocks, top, ["keep"] * n)
+    for budget in (lo + (hi - lo) // 6, (lo + hi) // 2, hi):
+        ref = reference_chain(blocks, top, budget, DECS, max_span)
+        ctg = cost_to_go(t, n, top, budget)
+        if ref is None:
+            assert ctg.least() is None
+            continue
+        assert ctg.least() == pytest.approx(ref[0], abs=1e-9)
+        cap = ref[0] + 0.3 + 1e-9  # slack for float sums in another order, as solve() has
+        ref2 = reference_chain(blocks, top, budget, DECS, max_span, cost_cap=cap)
+        rows = simplest(t, n, budget, ctg, cap)
+        assert rows is not None
+        assert sum(t.simp[k] for k in rows) == ref2[1]
+
+
+def test_spans_join_only_chained_blocks():
+    blocks, top = random_chain(3, 8)  # every block can be recomputed
+    chained = [True, True, False, True, True, True, False]
+    t = segment_table(blocks, DECS, 16, chained)
+    spans = {(t.first[k], t.last[k]) for k in range(len(t.first)) if t.decision[k] == "recompute"}
+    expected = {(a, z) for a in range(8) for z in range(a, 8) if all(chained[a:z])}
+    assert spans == expected
+    ds, sp = smallest_chain(blocks, top, DECS, 16, chained)
+    assert sp and all(all(chained[a:z]) for a, z in sp)
