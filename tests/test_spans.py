@@ -638,7 +638,7 @@ def test_offload_inputs_on_cpu_is_refused_in_forward_for_blocks_without_paramete
 
 def test_split_block_grads_equal_and_unsplit_restores():
     model = GPT()
-    assert split_block(model, "layers.2") == ["layers.2.attn", "layers.2.mlp"]
+    assert split_block(model, "layers.2") == ["layers.2.ln1", "layers.2.attn", "layers.2.ln2", "layers.2.mlp"]  # the children with parameters
     assert split_block(model, "layers.3", children=["ln1", "attn"]) == [
         "layers.3.ln1",
         "layers.3.attn",
@@ -649,17 +649,17 @@ def test_split_block_grads_equal_and_unsplit_restores():
     got, rng2 = gpt_step(model)
     assert_equal(ref, got)
     assert torch.equal(rng, rng2)
-    assert unsplit_block(model, "layers.2") == ["layers.2.attn", "layers.2.mlp"]
+    assert unsplit_block(model, "layers.2") == ["layers.2.ln1", "layers.2.attn", "layers.2.ln2", "layers.2.mlp"]
     assert not remat._wrap.is_wrapped(model.layers[2].attn)
     assert unsplit_block(model, "layers.2") == []
 
 
-def test_split_block_rejects_leaf_children_unknown_and_repeated_splits():
-    model = MLPChain(n=2)
-    with pytest.raises(remat.PlanError, match="no composite children"):
-        split_block(model, "layers.0")
+def test_split_block_rejects_too_few_children_unknown_and_repeated_splits():
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2)])
+    with pytest.raises(remat.PlanError, match=r"'0' has 1 children with parameters \(\['0'\]"):
+        split_block(model, "0")
     with pytest.raises(remat.PlanError, match="has no child 'mlp'"):
-        split_block(model, "layers.0", children=["mlp"])
+        split_block(model, "0", children=["mlp"])
     gpt = GPT()
     split_block(gpt, "layers.0")
     with pytest.raises(remat.PlanError, match="already split"):
@@ -668,8 +668,8 @@ def test_split_block_rejects_leaf_children_unknown_and_repeated_splits():
     with pytest.raises(remat.PlanError, match="already checkpointed; unwrap it first"):
         split_block(gpt, "layers.1")
     assert not remat._wrap.is_wrapped(gpt.layers[1].attn)  # nothing half done
-    with pytest.raises(remat.PlanError, match="no composite children"):
-        apply_span(model, ["layers.0", "layers.1"], inner="split")
+    with pytest.raises(remat.PlanError, match="splitting needs two or more"):
+        apply_span(model, ["0", "1"], inner="split")
     assert spans_in(model) == []
 
 

@@ -121,7 +121,7 @@ def _gpt_by_hand(k: int, split: bool):
         model = GPT(n=4, d=32, heads=4)
         if split:
             for b in model.layers:
-                for child in (b.attn, b.mlp):
+                for child in (b.ln1, b.attn, b.ln2, b.mlp):  # those with parameters
                     child.forward = functools.partial(
                         torch_checkpoint, type(child).forward.__get__(child), use_reentrant=False
                     )

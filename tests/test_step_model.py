@@ -739,6 +739,43 @@ def test_span_and_split_predictions_equal_measured_steps():
             apply_decision(b, "keep")
 
 
+def test_plan_apply_with_split_spans_is_predicted_exactly_and_keeps_gradients():
+    # Plan.apply puts spans on through remat._spans with inner="split": the children it makes
+    # regions are the ones the profile measured for the block's "split" (one rule, _split)
+    cfg = ModelConfig(layers=4, d_model=32, seq=64, batch=2, heads=2, vocab=64)  # dropout 0.1
+    x = example_input(cfg)
+    opt_of = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)  # noqa: E731
+    probe = build(cfg)
+    prof = remat.profile(probe, x, optimizer=opt_of(probe), timer="flops")
+    names = [b.name for b in prof.blocks]
+    ref = build(cfg)
+    torch.manual_seed(3)
+    ref(x).backward()
+    layouts = [
+        (["split"] * 4, [(0, 1), (2, 3)]),
+        (["split"] * 4, [(0, 3)]),
+        (["recompute", "keep", "split", "split"], [(2, 3)]),
+    ]
+    for ds, spans in layouts:
+        model = build(cfg)
+        opt = opt_of(model)
+        expected = prof.peak(ds, spans).bytes
+        plan = remat.Plan(
+            decisions=dict(zip(names, ds)),
+            predicted_peak_bytes=expected,
+            predicted_overhead_s=0.0,
+            unchecked_peak_bytes=prof.unchecked_peak_bytes,
+            budget_bytes=expected,
+            spans=[[names[a], names[z]] for a, z in spans],
+        )
+        plan.apply(model)
+        assert remat.measure_peak(model, x, optimizer=opt) == expected, (ds, spans)
+        torch.manual_seed(3)
+        model(x).backward()
+        for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(a.grad, b.grad), (ds, spans, n)
+
+
 class Pointwise(nn.Module):
     """A block without parameters: its input is most of what it keeps, so spans pay off."""
 

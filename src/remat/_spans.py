@@ -8,7 +8,7 @@ span's input is kept. With ``inner="recompute"`` the span's recompute
 checkpoints each of its blocks in turn, so backward holds the span's block
 inputs and one block's working set at a time (Chen et al. 2016, "Training
 Deep Nets with Sublinear Memory Cost": nested checkpoints). *Splitting* a
-block makes its composite children (attention, MLP) their own regions, so
+block makes its children with parameters (attention, MLP, norms) their own regions, so
 the recompute of one block holds its children's inputs and one child's
 working set.
 

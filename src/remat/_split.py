@@ -1,14 +1,17 @@
-"""Blocks split in parts: a block's composite children (attention, MLP) as their own regions.
+"""Blocks split in parts: a block's children with parameters (attention, MLP, norms) as
+their own regions.
 
 Checkpointing a block keeps its input and recomputes all of it at once in
 backward. Splitting it checkpoints its children instead (each with
 :func:`remat.checkpoint_wrapper`), so inside an enclosing region (the block
 itself checkpointed, or a span, see :mod:`remat._spans`) the block's
 recompute keeps its children's inputs and holds one child's activations at a
-time. By default the children chosen are the composite ones (those made of
-modules: attention, MLP); a single layer as its own region would keep its
-input, about as much as it saves. Code of the block's forward between its
-children (residual adds, functional activations) stays in the block.
+time. By default the children chosen are those with parameters
+(:func:`split_children`), and a block splits when it has two or more
+(:func:`can_split`): the one rule for :func:`split_block`, spans with
+``inner="split"`` and the planner's ``split`` decision, so what the planner
+measures is what a span applies. Code of the block's forward between its
+children (residual adds, functional activations, dropout) stays in the block.
 """
 
 from __future__ import annotations
@@ -39,16 +42,33 @@ def resolve(model: nn.Module, name: Any, what: str) -> nn.Module:
         ) from None
 
 
+def split_children(block: nn.Module) -> list[str]:
+    """The names of ``block``'s children that splitting makes regions: those with parameters.
+
+    Example:
+        >>> import torch
+        >>> block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+        >>> split_children(block), can_split(block)
+        (['0', '2'], True)
+    """
+    return [n for n, c in block.named_children() if any(True for _ in c.parameters())]
+
+
+def can_split(block: nn.Module) -> bool:
+    """Whether splitting means anything for ``block``: two or more children to checkpoint."""
+    return len(split_children(block)) >= 2
+
+
 def choose_children(block: nn.Module, name: str, children: Sequence[str] | None) -> list[str]:
     """The children of ``block`` to split it into, validated."""
     kids = dict(block.named_children())
     if children is None:
-        chosen = [n for n, m in kids.items() if next(m.children(), None) is not None]
-        if not chosen:
+        chosen = split_children(block)
+        if len(chosen) < 2:
             raise PlanError(
-                f"split_block: {name!r} has no composite children to split into (its children "
-                f"are {sorted(kids) or 'none'}, all single layers, whose regions would keep "
-                "as much as they save). Pass children= to choose them."
+                f"split_block: {name!r} has {len(chosen)} children with parameters "
+                f"({chosen or 'none'}; its children are {sorted(kids) or 'none'}): splitting "
+                "needs two or more to make regions of. Pass children= to choose them."
             )
     else:
         if isinstance(children, str) or not children:
@@ -87,7 +107,7 @@ def split_block(model: nn.Module, name: str, *, children: Sequence[str] | None =
         model: the model (changed in place).
         name: the block's name in ``model``.
         children: the block's child names to checkpoint; default: its
-            composite children (those that have children: attention, MLP).
+            children with parameters (:func:`split_children`; two or more).
 
     Returns:
         The full names of the children made regions.
@@ -95,12 +115,12 @@ def split_block(model: nn.Module, name: str, *, children: Sequence[str] | None =
     Example:
         >>> import torch
         >>> from remat._split import split_block, unsplit_block
-        >>> block = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(4, 4)), torch.nn.ReLU())
+        >>> block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
         >>> model = torch.nn.Sequential(block)
         >>> split_block(model, "0")
-        ['0.0']
+        ['0.0', '0.2']
         >>> unsplit_block(model, "0")
-        ['0.0']
+        ['0.0', '0.2']
     """
     block = resolve(model, name, "split_block")
     done = block.__dict__.get(SPLIT_ATTR)

@@ -14,19 +14,17 @@ from typing import Any
 from torch import nn
 
 from .._errors import PlanError
+from .._split import can_split
+from .._split import split_children as split_names
 from .._wrap import checkpoint_wrapper, offload_only, set_wrapping_state, unwrap, wrapping_state
 from ..policies import save_matmuls
 from .model import DECISIONS
 
 
 def split_children(module: nn.Module) -> list[nn.Module]:
-    """The children ``split`` checkpoints: those with parameters."""
-    return [c for c in module.children() if any(True for _ in c.parameters())]
-
-
-def can_split(module: nn.Module) -> bool:
-    """Whether ``split`` means anything for ``module``: two or more children to checkpoint."""
-    return len(split_children(module)) >= 2
+    """The children ``split`` checkpoints: :func:`remat._split.split_children`'s (the rule
+    spans with ``inner="split"`` use too)."""
+    return [module.get_submodule(n) for n in split_names(module)]
 
 
 def apply_decision(module: nn.Module, decision: str) -> None:

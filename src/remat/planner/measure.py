@@ -42,8 +42,9 @@ from .._modelinfo import (
     device_of,
     loss_of,
 )
+from .._split import can_split
 from .._tree import tensors_in
-from .apply import apply_decision, can_split, restore_state, snapshot_state
+from .apply import apply_decision, restore_state, snapshot_state
 from .distributed import active, agree_profile, agree_same
 from .model import (
     DECISIONS,
