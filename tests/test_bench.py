@@ -13,14 +13,7 @@ from remat.bench.strategies import DEEP, DEFAULT, registry
 CFG = ModelConfig(layers=3, d_model=32, seq=16, batch=2, heads=2, vocab=64)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """As ``remat bench`` runs on CPU: tiny ops on two threads of a shared 2-core machine
-    wait for each other (a run took 28 s instead of 3 s)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("kind", ["gpt", "mlp"])
@@ -79,9 +72,12 @@ def test_every_cpu_strategy_gives_the_reference_gradients():
 def test_cpu_clock_times_one_thread_only():
     result = run(CFG, [registry()["none"]], device=torch.device("cpu"), steps=2, clock="cpu")
     assert result.clock == "cpu" and result.threads == 1 and result.rounds == 2
-    torch.set_num_threads(2)  # put back by the fixture
-    with pytest.raises(ValueError, match="one thread"):
-        run(CFG, [registry()["none"]], device=torch.device("cpu"), steps=1, clock="cpu")
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(ValueError, match="one thread"):
+            run(CFG, [registry()["none"]], device=torch.device("cpu"), steps=1, clock="cpu")
+    finally:
+        torch.set_num_threads(1)  # the module's one_thread fixture puts the count back after it
 
 
 def test_run_reports_its_calibration_and_progress_adds_up_to_the_work():

@@ -22,14 +22,7 @@ CFG = ModelConfig(layers=4, d_model=64, seq=32, batch=2, heads=2, vocab=128)
 DECS = ("keep", "recompute", "selective")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine two threads make each step ~100x slower
-    (bytes do not depend on it); the previous count is put back."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 ONE_THREAD_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -15,15 +15,7 @@ import remat
 from remat.planner.apply import apply_decision
 from remat.planner.auto import step_peaks
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine two threads make each step ~100x slower
-    (bytes do not depend on it); the previous count is put back."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _cnn() -> nn.Sequential:

@@ -33,17 +33,7 @@ from remat.planner.solve import smallest_chain, solve_chain, solve_dp
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from test_plan_solver import random_chain  # noqa: E402
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine two threads make each step ~100x slower.
-
-    Bytes do not depend on the thread count; the previous count is put back.
-    """
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------- models and optimizers
