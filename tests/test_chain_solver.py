@@ -255,3 +255,21 @@ def test_spans_join_only_chained_blocks():
     assert spans == expected
     ds, sp = smallest_chain(blocks, top, DECS, 16, chained)
     assert sp and all(all(chained[a:z]) for a, z in sp)
+
+
+@pytest.mark.parametrize("limit", [1, 3])
+def test_too_many_states_in_the_second_stage_fall_back_to_a_least_cost_plan(monkeypatch, limit):
+    import remat.planner.solve as solve_module
+
+    monkeypatch.setattr(solve_module, "STATE_LIMIT", limit)
+    for seed in range(6):
+        blocks, top = random_chain(seed, 6)
+        plans = list(layouts(blocks, DECS, 16))
+        peaks = [predicted_peak(blocks, top, ds, 0, sp) for ds, sp in plans]
+        costs = [predicted_cost(blocks, ds, sp) for ds, sp in plans]
+        budget = (min(peaks) + max(peaks)) // 2
+        best = min(c for c, pk in zip(costs, peaks) if pk <= budget)
+        ds, sp = solve(blocks, top, budget, DECS, tolerance=0.5, solver="chain", max_span=16)
+        assert predicted_peak(blocks, top, ds, 0, sp) <= budget
+        # the narrowed cap (least cost) or the first stage's plan: the least cost either way
+        assert predicted_cost(blocks, ds, sp) == pytest.approx(best, abs=1e-9)

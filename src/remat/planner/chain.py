@@ -356,9 +356,19 @@ def _staircase(saved: list[int], cost: list[float], simp: list[int]) -> list[int
     return sorted(out)
 
 
-def simplest(t: Segments, n: int, budget: int, ctg: CostToGo, cap: float) -> list[int] | None:
+class TooManyStates(Exception):
+    """The forward pass kept more than its ``limit`` of states at one position."""
+
+
+def simplest(
+    t: Segments, n: int, budget: int, ctg: CostToGo, cap: float, limit: int | None = None
+) -> list[int] | None:
     """The forward pass: the rows of the simplest plan of cost <= ``cap`` (then the cheapest,
-    then the one that saves the most bytes by the end)."""
+    then the one that saves the most bytes by the end).
+
+    Raises :class:`TooManyStates` when more than ``limit`` undominated states survive at
+    one position (a wide cap over many near-equal plans); the caller then narrows the cap.
+    """
     i64, f64 = torch.int64, torch.float64
     saved: list[torch.Tensor] = [torch.empty(0, dtype=i64)] * (n + 1)
     cost: list[torch.Tensor] = [torch.empty(0, dtype=f64)] * (n + 1)
@@ -392,6 +402,8 @@ def simplest(t: Segments, n: int, budget: int, ctg: CostToGo, cap: float) -> lis
         saved[p], cost[p], simp[p] = s[keep], c[keep], sp[keep]
         parent[p], seg[p] = local[keep], row[keep]
         size[p] = keep.numel()
+        if limit is not None and size[p] > limit:
+            raise TooManyStates(f"{size[p]} states at block {p}")
     if simp[n].numel() == 0:
         return None
     # the simplest, then the cheapest, then the one saving the most (the lowest last term)

@@ -26,6 +26,7 @@ from typing import Any
 from .chain import (
     COMPLEXITY,
     SPAN_COMPLEXITY,
+    TooManyStates,
     choices,
     cost_to_go,
     segment_table,
@@ -108,7 +109,13 @@ def solve(
         least = ctg.least()
         if least is None:
             return None
-        rows = simplest(t, n, budget, ctg, _cap(least, tolerance))
+        try:
+            rows = simplest(t, n, budget, ctg, _cap(least, tolerance), limit=STATE_LIMIT)
+        except TooManyStates:  # too many plans within the noise: the simplest of least cost
+            try:
+                rows = simplest(t, n, budget, ctg, _cap(least, 0.0), limit=STATE_LIMIT)
+            except TooManyStates:
+                rows = None
         return unpack(t, ctg.cheapest(t) if rows is None else rows)
     one = solve_milp if solver == "milp" else solve_dp
     best = one(blocks, top, budget, allowed)
@@ -118,6 +125,12 @@ def solve(
         blocks, top, budget, allowed, cost_cap=_cap(predicted_cost(blocks, best), tolerance)
     )
     return (best if simple is None else simple), []
+
+
+STATE_LIMIT = 2000
+"""States per position the second stage (the simplest plan within the timing noise) may keep
+before it narrows its cap to the least cost, then gives up on simplicity (the least-cost plan
+of the first stage, exact either way): keeps the solve well under a second for 100 blocks."""
 
 
 def _cap(cost: float, tolerance: float) -> float:
