@@ -116,8 +116,8 @@ def test_default_strategies_are_registered():
         "auto-30%",
         "auto-50%",
         "auto-70%",
-        "auto-floor-80%",
-        "auto-floor-60%",
+        "auto-floor-90%",
+        "auto-floor-85%",
     ]
 
 
@@ -129,7 +129,7 @@ def test_auto_strategies_of_one_run_profile_the_model_once(monkeypatch):
     monkeypatch.setattr(remat, "profile", lambda *a, **k: calls.append(1) or real(*a, **k))
     reg = registry()
     x = example_input(CFG)
-    for name in ("auto-50%", "auto-70%", "auto-floor-80%"):
+    for name in ("auto-50%", "auto-70%", "auto-floor-90%"):
         reg[name].configure(build(CFG), x)
     assert len(calls) == 1
 

@@ -74,7 +74,7 @@ PRESETS = {
     "default": Preset(6, 256, 128, 4, 4, 512, 6, "about a minute"),
     "large": Preset(6, 384, 256, 4, 6, 512, 9, "every strategy, about 5 minutes"),
     "deep": Preset(
-        16, 128, 1024, 2, 4, 256, 3, "plans below the every-block floor, about 4 minutes", 0.0
+        16, 128, 1024, 2, 4, 256, 3, "plans below the every-block floor, about 3 minutes", 0.0
     ),
 }
 """``remat bench``'s sizes (``--quick``, the default, ``--large``). Times are wall time on
