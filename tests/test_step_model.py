@@ -766,6 +766,40 @@ def test_plan_apply_with_split_spans_is_predicted_exactly_and_keeps_gradients():
             assert torch.equal(a.grad, b.grad), (ds, spans, n)
 
 
+def test_every_span_layout_of_a_small_chain_is_measured_as_predicted():
+    # the brute-force grid with spans: every layout of 3 blocks (each block alone under keep,
+    # recompute or split, or in a span with inner recompute or split), applied by Plan.apply,
+    # measured over the first and a later step with SGD momentum, grads None between steps
+    from test_chain_solver import layouts
+
+    cfg = ModelConfig(layers=3, d_model=32, seq=32, batch=2, heads=2, vocab=64)
+    x = example_input(cfg)
+    probe = build(cfg)
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
+    prof = remat.profile(probe, x, optimizer=sgd(probe), timer="flops")
+    names = [b.name for b in prof.blocks]
+    grid = list(layouts(prof.blocks, ("keep", "recompute", "split"), 3))
+    assert len(grid) > 30 and sum(1 for _, spans in grid if spans) > 10
+    wrong = []
+    model = build(cfg)
+    opt = sgd(model)
+    for ds, spans in grid:
+        expected = prof.peak(ds, spans).bytes
+        plan = remat.Plan(
+            decisions=dict(zip(names, ds)),
+            predicted_peak_bytes=expected,
+            predicted_overhead_s=0.0,
+            unchecked_peak_bytes=prof.unchecked_peak_bytes,
+            budget_bytes=expected,
+            spans=[[names[a], names[z]] for a, z in spans],
+        )
+        plan.apply(model)  # replaces the previous layout's wrapping and spans
+        measured = remat.measure_peak(model, x, optimizer=opt)
+        if measured != expected:
+            wrong.append((ds, spans, expected, measured))
+    assert not wrong
+
+
 class Pointwise(nn.Module):
     """A block without parameters: its input is most of what it keeps, so spans pay off."""
 
