@@ -133,6 +133,9 @@ def segment_table(
         for d in SPAN_INNER:
             if d not in allowed or d not in opts[a]:
                 continue
+            if d == "keep":
+                _keep_spans(t, blocks, a, n, max_span, chained, w)
+                continue
             inner = 0  # sum_{a<=j<i} (retained[j][keep] - R_j): saved by the blocks alone
             kept = 0  # P_i = sum_{a<=j<i} R_j
             kept_prev = 0  # P_{i-1}
@@ -169,6 +172,58 @@ def segment_table(
                 kept_prev = kept
                 kept += r
     return t
+
+
+def _keep_spans(
+    t: Segments,
+    blocks: Sequence[BlockCosts],
+    a: int,
+    n: int,
+    max_span: int,
+    chained: Sequence[bool] | None,
+    w: int,
+) -> None:
+    """The spans from block ``a`` with the blocks plain inside (``inner="keep"``), with the
+    numbers of :func:`~remat.planner.model.span_segment` by running sums."""
+    inner = 0  # sum_{a<=j<i} (retained[j][keep] - R_j), R = retained[recompute]
+    kept = 0  # P_i = sum_{a<=j<i} R_j
+    kept_prev = 0  # P_{i-1}
+    fwd_peak = NEVER  # the forward terms of blocks a..i
+    restored = 0  # sum_{a<=j<i} retained[j][keep]
+    rec = NEVER  # max_{a<=j<i} restored_j + fwd_excess[j][keep]
+    bwd = NEVER  # max_{a<=j<i} bwd_start[j] + bwd_excess[j][keep]
+    cost: float = 0  # sum_{a<=j<=i} cost[j][recompute]
+    simp = 0
+    for i in range(a, min(n, a + max_span)):
+        bi = blocks[i]
+        if "recompute" not in bi.cost or "recompute" not in bi.retained:
+            break
+        if i > a and chained is not None and not chained[i - 1]:
+            break
+        r = bi.retained["recompute"]
+        fwd_peak = max(fwd_peak, bi.fwd_start - inner - kept_prev + bi.fwd_excess["recompute"])
+        inner += bi.retained["keep"] - r
+        cost = cost + bi.cost["recompute"]
+        simp += simplicity(n, i, "keep")
+        if i > a:
+            saved = inner + kept
+            last = bi.bwd_start - (bi.retained["keep"] - r) + bi.bwd_excess["recompute"]
+            peak = max(fwd_peak, bi.bwd_start - saved + rec, last, bwd)
+            t.add(
+                a,
+                i,
+                "keep",
+                True,
+                peak,
+                saved,
+                float(cost),
+                simp + SPAN_COMPLEXITY * w * (i - a + 1),
+            )
+        rec = max(rec, restored + bi.fwd_excess["keep"])
+        restored += bi.retained["keep"]
+        bwd = max(bwd, bi.bwd_start + bi.bwd_excess["keep"])
+        kept_prev = kept
+        kept += r
 
 
 def saved_range(t: Segments, n: int, budget: int) -> tuple[list[int], list[int]]:

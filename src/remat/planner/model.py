@@ -239,8 +239,10 @@ def predicted_peak(
     return activation_terms(blocks, top, decisions, pre, spans)[0]
 
 
-#: Decisions a block may take inside a span (the span's inner checkpointing of each block).
-SPAN_INNER = ("recompute", "split")
+#: Decisions a block may take inside a span (the span's inner checkpointing of each block):
+#: ``keep`` is one checkpoint over the whole span (Chen et al.'s segments), ``recompute``
+#: and ``split`` checkpoint each block inside it as well (nested).
+SPAN_INNER = ("keep", "recompute", "split")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,6 +294,8 @@ def span_segment(blocks: Sequence[BlockCosts], a: int, z: int, d: str) -> Segmen
     * it saves ``sum_{a<=j<=z}(retained[j][keep] - R_j) + sum_{a<=j<z} R_j``;
     * it costs ``sum cost[j][d]`` plus blocks ``a..z-1`` once more (``cost[j][recompute]``).
     """
+    if d == "keep":
+        return _keep_span_segment(blocks, a, z)
     peak, where = -(2**62), ""
     inner = 0  # what blocks a..i-1 under d alone would have saved
     for i in range(a, z + 1):
@@ -317,6 +321,54 @@ def span_segment(blocks: Sequence[BlockCosts], a: int, z: int, d: str) -> Segmen
     return Segment(a, z, d, True, peak, where, saved, float(cost))
 
 
+def _keep_span_segment(blocks: Sequence[BlockCosts], a: int, z: int) -> Segment:
+    """Blocks ``a..z`` as one checkpointed region, the blocks plain inside it (``inner="keep"``).
+
+    Forward is that of a span with ``recompute`` inside (every saved tensor dropped, only
+    the span's input kept; ``R_j = retained[j][recompute]``, a block's input). Backward of
+    block ``z`` recomputes blocks ``a..z`` at once with everything they save (early stop
+    after the last tensor block ``z`` saves), so from there the blocks stand as in the
+    ``keep`` line, block ``z`` as a block recomputed alone:
+
+    * recompute of block ``i < z``: ``bwd_start[z] - saved + sum_{a<=j<i} retained[j][keep]
+      + fwd_excess[i][keep]``;
+    * backward of block ``z``: ``bwd_start[z] - (retained[z][keep] - R_z) +
+      bwd_excess[z][recompute]``; of block ``i < z``: ``bwd_start[i] + bwd_excess[i][keep]``;
+    * it saves ``sum_{a<=j<=z} retained[j][keep] - R_z`` and costs
+      ``sum cost[j][recompute]`` (each block recomputed once).
+    """
+    peak, where = -(2**62), ""
+
+    def see(v: int, at: str) -> None:
+        nonlocal peak, where
+        if v > peak:
+            peak, where = v, at
+
+    inner = 0
+    for i in range(a, z + 1):
+        b = blocks[i]
+        dropped = sum(blocks[j].retained["recompute"] for j in range(a, i - 1))
+        see(b.fwd_start - inner - dropped + b.fwd_excess["recompute"], f"forward of {b.name!r}")
+        inner += b.retained["keep"] - b.retained["recompute"]
+    saved = inner + sum(blocks[j].retained["recompute"] for j in range(a, z))
+    bz = blocks[z]
+    restored = 0
+    for i in range(a, z):
+        b = blocks[i]
+        see(
+            bz.bwd_start - saved + restored + b.fwd_excess["keep"],
+            f"recompute of {b.name!r} in the span's backward",
+        )
+        restored += b.retained["keep"]
+    lone = bz.retained["keep"] - bz.retained["recompute"]
+    see(bz.bwd_start - lone + bz.bwd_excess["recompute"], f"backward of {bz.name!r}")
+    for i in range(a, z):
+        b = blocks[i]
+        see(b.bwd_start + b.bwd_excess["keep"], f"backward of {b.name!r}")
+    cost = sum(blocks[j].cost["recompute"] for j in range(a, z + 1))
+    return Segment(a, z, "keep", True, peak, where, saved, float(cost))
+
+
 def layout(
     blocks: Sequence[BlockCosts], decisions: Sequence[str], spans: Sequence[Sequence[int]] = ()
 ) -> list[Segment]:
@@ -331,7 +383,8 @@ def layout(
             inner = {decisions[j] for j in range(i, z + 1)}
             if len(inner) != 1 or not inner <= set(SPAN_INNER):
                 raise ValueError(
-                    f"a span's blocks must all be 'recompute' or all 'split', got {sorted(inner)} "
+                    f"a span's blocks must all be 'keep', all 'recompute' or all 'split', got "
+                    f"{sorted(inner)} "
                     f"for blocks {i}..{z}."
                 )
             out.append(span_segment(blocks, i, z, decisions[i]))

@@ -40,8 +40,9 @@ class Plan:
         peak_movable: ``False`` when no plan can lower the peak (it is in the
             optimizer step or before the first block).
         spans: ``[first, last]`` block names of each region that spans consecutive
-            blocks: one checkpointed region whose blocks are checkpointed inside it
-            as their decision says (``recompute`` or ``split``).
+            blocks: one checkpointed region whose blocks run inside it as their
+            decision says (``keep``: plain, one checkpoint over the span as in Chen et
+            al.'s segments; ``recompute`` or ``split``: checkpointed inside it too).
     """
 
     decisions: dict[str, str]
