@@ -778,8 +778,10 @@ def test_every_span_layout_of_a_small_chain_is_measured_as_predicted():
     sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
     prof = remat.profile(probe, x, optimizer=sgd(probe), timer="flops")
     names = [b.name for b in prof.blocks]
-    grid = list(layouts(prof.blocks, ("keep", "recompute", "split"), 3))
-    assert len(grid) > 30 and sum(1 for _, spans in grid if spans) > 10
+    grid = list(layouts(prof.blocks, ("keep", "recompute", "selective", "split"), 3))
+    inner = {ds[a] for ds, spans in grid for a, _ in spans}
+    # selective inside a span is not planned: its peak was mispredicted by 48-89 KB here
+    assert inner == {"keep", "recompute", "split"} and len(grid) > 60
     wrong = []
     model = build(cfg)
     opt = sgd(model)

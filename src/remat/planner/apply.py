@@ -86,7 +86,9 @@ def apply_plan(plan: Any, model: nn.Module) -> nn.Module:
         assert module is not None
         apply_decision(module, "keep" if name in in_span else decision)
     for members in spans:
-        apply_span(model, members, inner=plan.decisions[members[0]])
+        inner = plan.decisions[members[0]]
+        policy = save_matmuls() if inner == "selective" else None
+        apply_span(model, members, inner=inner, policy=policy)
     return model
 
 
