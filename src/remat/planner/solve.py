@@ -127,7 +127,7 @@ def solve(
     return (best if simple is None else simple), []
 
 
-STATE_LIMIT = 2000
+STATE_LIMIT = 500
 """States per position the second stage (the simplest plan within the timing noise) may keep
 before it narrows its cap to the least cost, then gives up on simplicity (the least-cost plan
 of the first stage, exact either way): keeps the solve well under a second for 100 blocks."""
