@@ -729,6 +729,20 @@ def test_span_and_split_predictions_equal_measured_steps():
             apply_decision(b, "keep")
 
 
+def _plan_of(prof: remat.Profile, ds: list[str], spans: list[tuple[int, int]]) -> remat.Plan:
+    """A :class:`remat.Plan` of given decisions and spans (block indices), as plan() makes."""
+    names = [b.name for b in prof.blocks]
+    expected = prof.peak(ds, spans).bytes
+    return remat.Plan(
+        decisions=dict(zip(names, ds)),
+        predicted_peak_bytes=expected,
+        predicted_overhead_s=0.0,
+        unchecked_peak_bytes=prof.unchecked_peak_bytes,
+        budget_bytes=expected,
+        spans=[[names[a], names[z]] for a, z in spans],
+    )
+
+
 def test_plan_apply_with_split_spans_is_predicted_exactly_and_keeps_gradients():
     # Plan.apply puts spans on through remat._spans with inner="split": the children it makes
     # regions are the ones the profile measured for the block's "split" (one rule, _split)
@@ -737,7 +751,6 @@ def test_plan_apply_with_split_spans_is_predicted_exactly_and_keeps_gradients():
     opt_of = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)  # noqa: E731
     probe = build(cfg)
     prof = remat.profile(probe, x, optimizer=opt_of(probe), timer="flops")
-    names = [b.name for b in prof.blocks]
     ref = build(cfg)
     torch.manual_seed(3)
     ref(x).backward()
@@ -750,14 +763,7 @@ def test_plan_apply_with_split_spans_is_predicted_exactly_and_keeps_gradients():
         model = build(cfg)
         opt = opt_of(model)
         expected = prof.peak(ds, spans).bytes
-        plan = remat.Plan(
-            decisions=dict(zip(names, ds)),
-            predicted_peak_bytes=expected,
-            predicted_overhead_s=0.0,
-            unchecked_peak_bytes=prof.unchecked_peak_bytes,
-            budget_bytes=expected,
-            spans=[[names[a], names[z]] for a, z in spans],
-        )
+        plan = _plan_of(prof, ds, spans)
         plan.apply(model)
         assert remat.measure_peak(model, x, optimizer=opt) == expected, (ds, spans)
         torch.manual_seed(3)
@@ -777,7 +783,6 @@ def test_every_span_layout_of_a_small_chain_is_measured_as_predicted():
     probe = build(cfg)
     sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
     prof = remat.profile(probe, x, optimizer=sgd(probe), timer="flops")
-    names = [b.name for b in prof.blocks]
     grid = list(layouts(prof.blocks, ("keep", "recompute", "selective", "split"), 3))
     inner = {ds[a] for ds, spans in grid for a, _ in spans}
     # selective inside a span is not planned: its peak was mispredicted by 48-89 KB here
@@ -787,14 +792,7 @@ def test_every_span_layout_of_a_small_chain_is_measured_as_predicted():
     opt = sgd(model)
     for ds, spans in grid:
         expected = prof.peak(ds, spans).bytes
-        plan = remat.Plan(
-            decisions=dict(zip(names, ds)),
-            predicted_peak_bytes=expected,
-            predicted_overhead_s=0.0,
-            unchecked_peak_bytes=prof.unchecked_peak_bytes,
-            budget_bytes=expected,
-            spans=[[names[a], names[z]] for a, z in spans],
-        )
+        plan = _plan_of(prof, ds, spans)
         plan.apply(model)  # replaces the previous layout's wrapping and spans
         measured = remat.measure_peak(model, x, optimizer=opt)
         if measured != expected:
