@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -247,18 +248,24 @@ def saved_range(t: Segments, n: int, budget: int) -> tuple[list[int], list[int]]
     return [0 if x is None else x for x in lo], hi
 
 
-def _pareto(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+def _pareto(first: torch.Tensor, second: torch.Tensor, width: int | None = None) -> torch.Tensor:
     """Indices of the entries no other entry beats in both (smaller is better), by ``first``
     ascending and ``second`` strictly descending; of equal entries the first.
 
     One stable sort by ``first``: an entry is kept when its ``second`` is below every one
     before it, then of the kept ones with the same ``first`` only the last (the least)."""
-    order = torch.sort(first, stable=True).indices
-    f, s = first[order], second[order]
-    keep = torch.ones_like(s, dtype=torch.bool)
+    if width is not None and 0 <= width < 2**31 and first.numel():
+        # all keys within ``width`` of the least: sorted as int32, twice as fast, same order
+        f, order = torch.sort((first - first.min()).to(torch.int32), stable=True)
+    else:
+        f, order = torch.sort(first, stable=True)
+    s = second[order]
     if s.numel() > 1:
-        keep[1:] = s[1:] < torch.cummin(s, 0).values[:-1]
-    order, f = order[keep], f[keep]
+        keep = torch.empty_like(s, dtype=torch.bool)
+        keep[0] = True
+        torch.lt(s[1:], torch.cummin(s, 0).values[:-1], out=keep[1:])
+        kept = torch.nonzero(keep).flatten()
+        order, f = order[kept], f[kept]
     last = torch.ones_like(f, dtype=torch.bool)
     last[:-1] = f[1:] != f[:-1]
     return order[last]
@@ -334,8 +341,19 @@ class CostToGo:
         return rows
 
 
+#: The backward pass slices each row's run of the next front when the runs average at least
+#: this many entries (fewer: one gather for all, cheaper than a slice a row).
+RUN_SLICES = 200
+
+
 def cost_to_go(t: Segments, n: int, top: int, budget: int) -> CostToGo:
-    """The backward pass (see the module docstring)."""
+    """The backward pass (see the module docstring).
+
+    Each row pairs with a contiguous run of the next front: entries whose ``need - saved``
+    falls at or below the row's floor (its ``peak - budget``, or the least any prefix saves)
+    all clamp to the floor, so of them only the last (the cheapest) can be on the front, and
+    entries needing more than a prefix can save are cut. A run is sliced, shifted and
+    clamped as a whole; only the entries kept on the front are traced back to their rows."""
     lo, hi = saved_range(t, n, budget)
     i64, f64 = torch.int64, torch.float64
     empty_i, empty_f = torch.empty(0, dtype=i64), torch.empty(0, dtype=f64)
@@ -349,24 +367,75 @@ def cost_to_go(t: Segments, n: int, top: int, budget: int) -> CostToGo:
         cost[n] = torch.zeros(1, dtype=f64)
         seg[n] = torch.full((1,), -1, dtype=i64)
         nxt[n] = torch.full((1,), -1, dtype=i64)
-    peak, saved, seg_cost = t.column("peak"), t.column("saved"), t.column("cost")
     after = [t.last[k] + 1 for k in range(len(t.last))]
     size = [0] * (n + 1)
     size[n] = need[n].numel()
     for p in range(n - 1, -1, -1):
-        rows = [k for k in t.starting[p] if size[after[k]]]
+        if hi[p] == NEVER:
+            continue
+        rows = [k for k in t.starting[p] if size[after[k]] and t.peak[k] - budget <= hi[p]]
         if not rows:
             continue
-        sources, row, local, flat = _pairs(rows, after, size)
-        nd = torch.cat([need[e] for e in sources])[flat] - saved[row]
-        nd = torch.maximum(nd, peak[row] - budget).clamp_min_(lo[p])
-        c = torch.cat([cost[e] for e in sources])[flat] + seg_cost[row]
-        fits = torch.nonzero(nd <= hi[p]).flatten()
-        nd, c = nd[fits], c[fits]
-        order = _pareto(nd, c)
+        floor = [max(t.peak[k] - budget, lo[p]) for k in rows]
+        begin = [0] * len(rows)
+        end = [0] * len(rows)
+        by_source: dict[int, list[int]] = {}
+        for i, k in enumerate(rows):
+            by_source.setdefault(after[k], []).append(i)
+        for q, idx in by_source.items():
+            sv = torch.tensor([t.saved[rows[i]] for i in idx], dtype=i64)
+            fl = torch.tensor([floor[i] for i in idx], dtype=i64)
+            # the last entry at or below the floor (all those clamp to it), else the first
+            b = torch.searchsorted(need[q], fl + sv, right=True).sub_(1).clamp_min_(0)
+            e = torch.searchsorted(need[q], sv + hi[p], right=True)
+            for i, bi, ei in zip(idx, b.tolist(), e.tolist()):
+                begin[i], end[i] = bi, ei
+        kept = [i for i in range(len(rows)) if end[i] > begin[i]]
+        counts = [end[i] - begin[i] for i in kept]
+        first = list(itertools.accumulate(counts, initial=0))
+        total = first.pop()
+        if not total:
+            continue
+        # pair index + shift = the entry's index in its front
+        shift = [begin[i] - f for i, f in zip(kept, first)]
+        if total >= RUN_SLICES * len(kept):  # long runs: slice each
+            nd = torch.cat(
+                [
+                    (need[after[rows[i]]][begin[i] : end[i]] - t.saved[rows[i]]).clamp_min_(
+                        floor[i]
+                    )
+                    for i in kept
+                ]
+            )
+            c = torch.cat([cost[after[rows[i]]][begin[i] : end[i]] + t.cost[rows[i]] for i in kept])
+        else:  # short runs: gather all at once
+            sources = list(dict.fromkeys(after[rows[i]] for i in kept))
+            base, off = {}, 0
+            for q in sources:
+                base[q] = off
+                off += need[q].numel()
+            which = torch.repeat_interleave(
+                torch.arange(len(kept)), torch.tensor(counts), output_size=total
+            )
+            flat = (
+                torch.arange(total)
+                + torch.tensor([s + base[after[rows[i]]] for i, s in zip(kept, shift)])[which]
+            )
+            nd = (
+                torch.cat([need[q] for q in sources])[flat]
+                - torch.tensor([t.saved[rows[i]] for i in kept])[which]
+            )
+            nd = torch.maximum(nd, torch.tensor([floor[i] for i in kept])[which])
+            c = (
+                torch.cat([cost[q] for q in sources])[flat]
+                + torch.tensor([t.cost[rows[i]] for i in kept], dtype=f64)[which]
+            )
+        kept = [rows[i] for i in kept]
+        order = _pareto(nd, c, hi[p] - lo[p])
         need[p], cost[p] = nd[order], c[order]
-        keep = fits[order]
-        seg[p], nxt[p] = row[keep], local[keep]
+        run = torch.searchsorted(torch.tensor(first, dtype=i64), order, right=True).sub_(1)
+        seg[p] = torch.tensor(kept, dtype=i64)[run]
+        nxt[p] = order + torch.tensor(shift, dtype=i64)[run]
         size[p] = need[p].numel()
     return CostToGo(need, cost, seg, nxt)
 
