@@ -341,6 +341,32 @@ class CostToGo:
         return rows
 
 
+def _undominated_rows(t: Segments) -> list[list[int]]:
+    """``t.starting`` less the rows the backward pass can skip: another row of the same
+    blocks saves at least as much with no larger peak and either costs less or costs no
+    more and comes first (so it would win every tie of the skipped row's pairs)."""
+    out = []
+    saved, peak, cost = t.saved, t.peak, t.cost
+    for rows in t.starting:
+        same: dict[int, list[int]] = {}
+        for k in rows:
+            same.setdefault(t.last[k], []).append(k)
+        skip = set()
+        for group in same.values():
+            for k in group:
+                for j in group:
+                    if (
+                        j != k
+                        and saved[j] >= saved[k]
+                        and peak[j] <= peak[k]
+                        and (cost[j] < cost[k] or (cost[j] == cost[k] and j < k))
+                    ):
+                        skip.add(k)
+                        break
+        out.append([k for k in rows if k not in skip])
+    return out
+
+
 #: The backward pass slices each row's run of the next front when the runs average at least
 #: this many entries (fewer: one gather for all, cheaper than a slice a row).
 RUN_SLICES = 200
@@ -368,28 +394,53 @@ def cost_to_go(t: Segments, n: int, top: int, budget: int) -> CostToGo:
         seg[n] = torch.full((1,), -1, dtype=i64)
         nxt[n] = torch.full((1,), -1, dtype=i64)
     after = [t.last[k] + 1 for k in range(len(t.last))]
+    useful = _undominated_rows(t)
     size = [0] * (n + 1)
     size[n] = need[n].numel()
+    need_lo = [0] * (n + 1)  # each front's least and most need
+    need_hi = [0] * (n + 1)
+    if size[n]:
+        need_lo[n] = need_hi[n] = int(need[n][0])
     for p in range(n - 1, -1, -1):
         if hi[p] == NEVER:
             continue
-        rows = [k for k in t.starting[p] if size[after[k]] and t.peak[k] - budget <= hi[p]]
+        rows = [k for k in useful[p] if size[after[k]] and t.peak[k] - budget <= hi[p]]
         if not rows:
             continue
         floor = [max(t.peak[k] - budget, lo[p]) for k in rows]
         begin = [0] * len(rows)
         end = [0] * len(rows)
-        by_source: dict[int, list[int]] = {}
+        # one search for all rows: the sources' fronts concatenated, each shifted above the
+        # one before (keys: need + at[q]), each query clamped into its source's block
+        sources = list(dict.fromkeys(after[k] for k in rows))
+        at, base = {}, {}
+        key, entries = 0, 0
+        for q in sources:
+            at[q], base[q] = key - need_lo[q], entries
+            key += need_hi[q] - need_lo[q] + 2
+            entries += size[q]
+        keys = torch.cat([need[q] for q in sources])
+        if len(sources) > 1:
+            keys += torch.repeat_interleave(
+                torch.tensor([at[q] for q in sources]),
+                torch.tensor([size[q] for q in sources]),
+                output_size=entries,
+            )
+        else:
+            keys += at[sources[0]]
+        queries = []
         for i, k in enumerate(rows):
-            by_source.setdefault(after[k], []).append(i)
-        for q, idx in by_source.items():
-            sv = torch.tensor([t.saved[rows[i]] for i in idx], dtype=i64)
-            fl = torch.tensor([floor[i] for i in idx], dtype=i64)
-            # the last entry at or below the floor (all those clamp to it), else the first
-            b = torch.searchsorted(need[q], fl + sv, right=True).sub_(1).clamp_min_(0)
-            e = torch.searchsorted(need[q], sv + hi[p], right=True)
-            for i, bi, ei in zip(idx, b.tolist(), e.tolist()):
-                begin[i], end[i] = bi, ei
+            q = after[k]
+            a, least, most = at[q], at[q] + need_lo[q] - 1, at[q] + need_hi[q] + 1
+            # the last entry at or below the floor (all those clamp to it), else the first;
+            # the last entry a prefix can meet
+            queries.append(min(max(floor[i] + t.saved[k] + a, least), most))
+            queries.append(min(max(hi[p] + t.saved[k] + a, least), most))
+        found = torch.searchsorted(keys, torch.tensor(queries), right=True).tolist()
+        for i, k in enumerate(rows):
+            b_q = base[after[k]]
+            begin[i] = max(found[2 * i] - 1, b_q) - b_q
+            end[i] = found[2 * i + 1] - b_q
         kept = [i for i in range(len(rows)) if end[i] > begin[i]]
         counts = [end[i] - begin[i] for i in kept]
         first = list(itertools.accumulate(counts, initial=0))
@@ -437,6 +488,7 @@ def cost_to_go(t: Segments, n: int, top: int, budget: int) -> CostToGo:
         seg[p] = torch.tensor(kept, dtype=i64)[run]
         nxt[p] = order + torch.tensor(shift, dtype=i64)[run]
         size[p] = need[p].numel()
+        need_lo[p], need_hi[p] = int(need[p][0]), int(need[p][-1])
     return CostToGo(need, cost, seg, nxt)
 
 
