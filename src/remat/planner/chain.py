@@ -449,16 +449,21 @@ def cost_to_go(t: Segments, n: int, top: int, budget: int) -> CostToGo:
             continue
         # pair index + shift = the entry's index in its front
         shift = [begin[i] - f for i, f in zip(kept, first)]
-        if total >= RUN_SLICES * len(kept):  # long runs: slice each
-            nd = torch.cat(
-                [
-                    (need[after[rows[i]]][begin[i] : end[i]] - t.saved[rows[i]]).clamp_min_(
-                        floor[i]
-                    )
-                    for i in kept
-                ]
+        if total >= RUN_SLICES * len(kept):  # long runs: slice each, shift all at once
+            counts_t = torch.tensor(counts)
+            nd = torch.cat([need[after[rows[i]]][begin[i] : end[i]] for i in kept])
+            nd -= torch.repeat_interleave(
+                torch.tensor([t.saved[rows[i]] for i in kept]), counts_t, output_size=total
             )
-            c = torch.cat([cost[after[rows[i]]][begin[i] : end[i]] + t.cost[rows[i]] for i in kept])
+            # only a run's first entry can fall below its floor
+            heads = torch.tensor(first)
+            nd[heads] = torch.maximum(nd[heads], torch.tensor([floor[i] for i in kept]))
+            c = torch.cat([cost[after[rows[i]]][begin[i] : end[i]] for i in kept])
+            c += torch.repeat_interleave(
+                torch.tensor([t.cost[rows[i]] for i in kept], dtype=f64),
+                counts_t,
+                output_size=total,
+            )
         else:  # short runs: gather all at once
             sources = list(dict.fromkeys(after[rows[i]] for i in kept))
             base, off = {}, 0
