@@ -511,19 +511,20 @@ def _undominated(saved: torch.Tensor, cost: torch.Tensor, simp: torch.Tensor) ->
         better = (s > saved[:, None]) | (c < cost[:, None]) | (p < simp[:, None])
         earlier = torch.ones(k, k, dtype=torch.bool).tril_(-1)  # j < i
         return torch.nonzero(~(ge & (better | earlier)).any(1)).flatten()
-    return torch.tensor(_staircase(saved.tolist(), cost.tolist(), simp.tolist()), dtype=torch.int64)
+    return _staircase(saved, cost, simp)
 
 
-def _staircase(saved: list[int], cost: list[float], simp: list[int]) -> list[int]:
-    """:func:`_undominated` for many states: visited by saved descending, the kept ones form
-    a staircase (cost ascending, simplicity strictly descending), so each check is one
-    binary search."""
-    order = sorted(range(len(saved)), key=lambda i: (-saved[i], cost[i], simp[i], i))
+def _staircase(saved: torch.Tensor, cost: torch.Tensor, simp: torch.Tensor) -> torch.Tensor:
+    """:func:`_undominated` for many states: visited by saved descending (then cost, then
+    simplicity ascending, then first; three stable sorts), the kept ones form a staircase
+    (cost ascending, simplicity strictly descending), so each check is one binary search."""
+    order = torch.sort(simp, stable=True).indices
+    order = order[torch.sort(cost[order], stable=True).indices]
+    order = order[torch.sort(saved[order], stable=True, descending=True).indices]
     costs: list[float] = []
     simps: list[int] = []
     out: list[int] = []
-    for i in order:
-        c, s = cost[i], simp[i]
+    for i, c, s in zip(order.tolist(), cost[order].tolist(), simp[order].tolist()):
         k = bisect.bisect_right(costs, c) - 1
         if k >= 0 and simps[k] <= s:
             continue
@@ -534,7 +535,7 @@ def _staircase(saved: list[int], cost: list[float], simp: list[int]) -> list[int
             m += 1
         costs[k:m] = [c]
         simps[k:m] = [s]
-    return sorted(out)
+    return torch.sort(torch.tensor(out, dtype=torch.int64)).values
 
 
 class TooManyStates(Exception):
