@@ -148,8 +148,9 @@ class Noise:
         )
         if self.noisy:
             return (
-                f"Noisy machine: {measured}. Other work shared the CPUs: differences smaller than "
-                "the spread are not meaningful; rerun on a quiet machine or with more --steps."
+                f"Noisy machine: {measured}. Differences smaller than the spread are not "
+                "meaningful; rerun with more --steps, or where nothing else runs (other "
+                "processes, or other virtual machines on the same host, disturb the timing)."
             )
         return f"Timing: {measured}; a quiet run."
 
