@@ -273,3 +273,11 @@ def test_too_many_states_in_the_second_stage_fall_back_to_a_least_cost_plan(monk
         assert predicted_peak(blocks, top, ds, 0, sp) <= budget
         # the narrowed cap (least cost) or the first stage's plan: the least cost either way
         assert predicted_cost(blocks, ds, sp) == pytest.approx(best, abs=1e-9)
+
+
+def test_a_span_of_mixed_decisions_is_refused_with_what_to_do():
+    from remat.planner.model import layout
+
+    blocks, _ = random_chain(0, 3)
+    with pytest.raises(ValueError, match=r"got \['keep', 'recompute'\] for blocks 0..1; give"):
+        layout(blocks, ["keep", "recompute", "keep"], [(0, 1)])

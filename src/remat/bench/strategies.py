@@ -229,6 +229,18 @@ def floor_budget(prof: Any, pct: float) -> int:
     return static + int((every - static) * pct / 100)
 
 
+def shared_profile(model: nn.Module, example: Any, profiles: dict[Any, Any] | None) -> Any:
+    """``remat.profile`` of ``model`` for the bench's loop, cached in ``profiles`` by
+    :func:`model_key` (one profile serves every ``auto-*`` strategy of a run)."""
+    import remat
+
+    cache = {} if profiles is None else profiles
+    key = model_key(model, example)
+    if key not in cache:
+        cache[key] = remat.profile(model, example, set_to_none=LOOP_SET_TO_NONE)
+    return cache[key]
+
+
 def auto_below_floor(
     model: nn.Module, example: Any, *, pct: float, profiles: dict[Any, Any] | None = None
 ) -> dict[str, Any]:
@@ -240,11 +252,7 @@ def auto_below_floor(
     """
     import remat
 
-    key = model_key(model, example)
-    cache = {} if profiles is None else profiles
-    if key not in cache:
-        cache[key] = remat.profile(model, example, set_to_none=LOOP_SET_TO_NONE)
-    prof = cache[key]
+    prof = shared_profile(model, example, profiles)
     budget = floor_budget(prof, pct)
     try:
         chosen = remat.auto_checkpoint(
@@ -309,11 +317,7 @@ def auto(
     import remat
 
     budget = f"{pct:g}%"
-    key = model_key(model, example)
-    cache = {} if profiles is None else profiles
-    if key not in cache:
-        cache[key] = remat.profile(model, example, set_to_none=LOOP_SET_TO_NONE)
-    prof = cache[key]
+    prof = shared_profile(model, example, profiles)
     try:
         chosen = remat.auto_checkpoint(
             model, example, budget=budget, quiet=True, profile=prof, set_to_none=LOOP_SET_TO_NONE

@@ -387,8 +387,8 @@ def layout(
             if len(inner) != 1 or not inner <= set(SPAN_INNER):
                 raise ValueError(
                     f"a span's blocks must all be 'keep', all 'recompute' or all 'split', got "
-                    f"{sorted(inner)} "
-                    f"for blocks {i}..{z}."
+                    f"{sorted(inner)} for blocks {i}..{z}; give the span's blocks one of these "
+                    "decisions, or drop the span."
                 )
             out.append(span_segment(blocks, i, z, decisions[i]))
             i = z + 1

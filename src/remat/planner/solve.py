@@ -109,13 +109,13 @@ def solve(
         least = ctg.least()
         if least is None:
             return None
-        try:
-            rows = simplest(t, n, budget, ctg, _cap(least, tolerance), limit=STATE_LIMIT)
-        except TooManyStates:  # too many plans within the noise: the simplest of least cost
+        rows = None
+        for slack in (tolerance, 0.0):  # too many plans within the noise: least cost only
             try:
-                rows = simplest(t, n, budget, ctg, _cap(least, 0.0), limit=STATE_LIMIT)
+                rows = simplest(t, n, budget, ctg, _cap(least, slack), limit=STATE_LIMIT)
+                break
             except TooManyStates:
-                rows = None
+                continue
         return unpack(t, ctg.cheapest(t) if rows is None else rows)
     one = solve_milp if solver == "milp" else solve_dp
     best = one(blocks, top, budget, allowed)
