@@ -18,6 +18,7 @@ class Outcome:
     grads_again: list[torch.Tensor | None] | None = None  # from a second backward
     fwd_bytes: int | None = None
     torch_frozen_warned: bool = False
+    repeated_args: bool = False  # a region got one tensor as two arguments
 
 
 def same_grads(a: list[torch.Tensor | None] | None, b: list[torch.Tensor | None] | None) -> bool:

@@ -110,6 +110,7 @@ class _Frame:
         "kwargs",
         "nested",
         "inputs",
+        "where",
         "versions",
         "state",
         "recompute_ctx",
@@ -153,12 +154,18 @@ class _Frame:
         self.kwargs = kwargs
         self.args: Any = args
         self.inputs: list[Any] = tensors
+        self.where: list[int] | None = None
         if _make_saved is None:
             self.versions = [t._version for t in tensors]
             return
         # Keep the inputs through autograd's SavedTensor (see module docstring) and
-        # drop the direct references from the argument template.
-        self.inputs = [_make_saved(t, is_output=False) for t in tensors]
+        # drop the direct references from the argument template. A tensor passed
+        # twice (attention's query, key and value) is kept once and is again one object
+        # in recompute: code that tests identity (``query is key``) takes the same path.
+        kept = tensors
+        if len(tensors) > 1 and len({id(t) for t in tensors}) < len(tensors):
+            kept, self.where = _unique(tensors)
+        self.inputs = [_make_saved(t, is_output=False) for t in kept]
         if nested:
             self.args = replace_tensors((args, kwargs), [SLOT] * len(tensors), [0])
             self.kwargs = {}
@@ -223,6 +230,8 @@ class _Frame:
     def input_values(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if _make_saved is not None:
             tensors = [s.unpack() for s in self.inputs]
+            if self.where is not None:
+                tensors = [tensors[j] for j in self.where]
         else:
             tensors = self.inputs
             for i, (t, v) in enumerate(zip(tensors, self.versions or [])):
@@ -297,6 +306,20 @@ class _Frame:
                 + report(self.fwd_ops, log.ops)
             )
         return CheckpointError(text)
+
+
+def _unique(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+    """The distinct tensors (by object), and for each position the index of its tensor."""
+    seen: dict[int, int] = {}
+    unique: list[torch.Tensor] = []
+    where = []
+    for t in tensors:
+        j = seen.get(id(t))
+        if j is None:
+            j = seen[id(t)] = len(unique)
+            unique.append(t)
+        where.append(j)
+    return unique, where
 
 
 def _identity(x: Any) -> Any:

@@ -22,7 +22,7 @@ error when it turns out not to use them: torch's inputs would not require grad.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -97,8 +97,12 @@ def _forward(
     tensors = []
     ctx.tensor_indices = []
     ctx.inputs = []
+    ctx.repeat = _repeats(args)  # a tensor passed twice is saved once
     for i, arg in enumerate(args):
         if isinstance(arg, torch.Tensor):
+            if i in ctx.repeat:
+                ctx.inputs.append(None)
+                continue
             tensors.append(arg)
             ctx.tensor_indices.append(i)
             ctx.inputs.append(None)
@@ -124,11 +128,19 @@ def _backward(ctx: Any, grads: tuple[Any, ...]) -> tuple[Any, ...]:
     inputs = list(ctx.inputs)
     for idx, t in zip(ctx.tensor_indices, ctx.saved_tensors):
         inputs[idx] = t
+    repeat = ctx.repeat
+    for i, j in repeat.items():
+        inputs[i] = inputs[j]
     token = ctx.state.enter()
     c_tok = _config._checkpointing.set(_config._checkpointing.get() + 1)
     r_tok = _config._recomputing.set(_config._recomputing.get() + 1)
     try:
         detached = detach_variable(tuple(inputs))
+        # A tensor passed twice (attention's query, key and value) is one detached
+        # object again, so code testing identity (``query is key``) takes its forward
+        # path; its gradient goes out once, at its first position.
+        if repeat:
+            detached = tuple(detached[repeat.get(i, i)] for i in range(len(detached)))
         for x, d in zip(inputs, detached):
             if isinstance(d, torch.Tensor) and d.requires_grad:
                 d._remat_source = x  # type: ignore[attr-defined]  # see _reaches_leaf
@@ -154,7 +166,11 @@ def _backward(ctx: Any, grads: tuple[Any, ...]) -> tuple[Any, ...]:
     if ctx.n_params:
         # Known parameters: their gradients go out through the outer graph (so DDP and
         # friends see each parameter used once), not into .grad by a nested backward.
-        wanted = [x for x in detached if isinstance(x, torch.Tensor) and x.requires_grad]
+        wanted = [
+            x
+            for i, x in enumerate(detached)
+            if isinstance(x, torch.Tensor) and x.requires_grad and i not in repeat
+        ]
         wanted += [p for p in ctx.params if p.requires_grad]
         # Leaves the region reads but does not own (a weight tied to another module's):
         # they get their gradients from a nested backward, as without the parameters.
@@ -169,13 +185,31 @@ def _backward(ctx: Any, grads: tuple[Any, ...]) -> tuple[Any, ...]:
         if foreign:
             torch.autograd.backward(outs, out_grads, inputs=foreign)
         input_grads = tuple(
-            next(got) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in detached
+            next(got)
+            if isinstance(x, torch.Tensor) and x.requires_grad and i not in repeat
+            else None
+            for i, x in enumerate(detached)
         )
         param_grads = tuple(next(got) if p.requires_grad else None for p in ctx.params)
         return input_grads + param_grads
     if outs:
         torch.autograd.backward(outs, out_grads)
-    return tuple(x.grad if isinstance(x, torch.Tensor) else None for x in detached)
+    return tuple(
+        x.grad if isinstance(x, torch.Tensor) and i not in repeat else None
+        for i, x in enumerate(detached)
+    )
+
+
+def _repeats(inputs: Sequence[Any]) -> dict[int, int]:
+    """Positions of tensors seen at an earlier position -> that first position."""
+    first: dict[int, int] = {}
+    repeat: dict[int, int] = {}
+    for i, x in enumerate(inputs):
+        if isinstance(x, torch.Tensor):
+            j = first.setdefault(id(x), i)
+            if j != i:
+                repeat[i] = j
+    return repeat
 
 
 class CheckpointFunction(torch.autograd.Function):
