@@ -57,6 +57,7 @@ from torch.utils._python_dispatch import _disable_current_modes as _no_modes
 
 from ._errors import CheckpointError
 from ._offload import HostStash, nbytes_of, shared_stash
+from ._state import host_state, tensor_state
 from .policies import CheckpointPolicy, OpPolicy
 
 _SAVE = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
@@ -285,12 +286,12 @@ def _rng_after(out: Any) -> tuple[Any, ...]:
         mod = torch.get_device_module(t.device.type)
         with mod.device(t.device):
             dev = (mod, t.device, mod.get_rng_state())
-    return (torch.get_rng_state(), dev)
+    return (host_state(torch.get_rng_state()), dev)
 
 
 def _set_rng(state: tuple[Any, ...]) -> None:
     cpu, dev = state
-    torch.set_rng_state(cpu)
+    torch.set_rng_state(tensor_state(cpu))
     if dev is not None:
         mod, device, s = dev
         with mod.device(device):

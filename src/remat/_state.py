@@ -222,8 +222,28 @@ def _innermost_device_context() -> Any:
     return None
 
 
+def host_state(state: torch.Tensor) -> bytearray:
+    """A CPU RNG state (a ``uint8`` tensor) as a plain Python buffer.
+
+    ``torch.get_rng_state()`` returns a 5056-byte tensor that no operator made, so
+    remat's memory tracker cannot see it while ``torch.cuda.max_memory_allocated`` or
+    the CPU allocator's profiler events count it (host side): a region kept 5 KB the
+    planner did not predict. Kept as Python bytes instead, a stashed state is outside
+    the tensor allocator for every meter, like the region's other Python objects.
+    """
+    return bytearray(state.numpy().tobytes())
+
+
+def tensor_state(state: bytearray) -> torch.Tensor:
+    """The ``uint8`` tensor ``torch.set_rng_state`` takes, over ``state``'s memory (no copy)."""
+    return torch.frombuffer(state, dtype=torch.uint8)
+
+
 class ForwardState:
-    """RNG, autocast, default dtype and device state recorded when a checkpointed forward starts."""
+    """RNG, autocast, default dtype and device state recorded when a checkpointed forward starts.
+
+    CPU RNG and generator states are kept as Python buffers (:func:`host_state`).
+    """
 
     __slots__ = (
         "autocast",
@@ -254,17 +274,17 @@ class ForwardState:
         self.device_ctx: Any = None
         if torch._C._is_torch_function_mode_enabled():  # cheap test first: rarely true
             self.device_ctx = _innermost_device_context()
-        self.cpu_rng: torch.Tensor | None = None
+        self.cpu_rng: bytearray | None = None
         self.device_type = "cpu"
         self.devices: list[int] = []
         self.device_rngs: list[torch.Tensor] = []
         self.generators: list[torch.Generator] = []
-        self.generator_states: list[torch.Tensor] = []
+        self.generator_states: list[bytearray] = []
         if preserve_rng_state:
-            self.cpu_rng = torch.get_rng_state()
+            self.cpu_rng = host_state(torch.get_rng_state())
             if generators:
                 self.generators = generators
-                self.generator_states = [g.get_state() for g in generators]
+                self.generator_states = [host_state(g.get_state()) for g in generators]
             device_type = infer_device_type(tensors)
             self.device_type = device_type
             if device_type != "cpu" and _device_initialized(device_type):
@@ -286,12 +306,12 @@ class ForwardState:
         clear = False
         try:
             if self.cpu_rng is not None:
-                saved_cpu = torch.get_rng_state()
-                torch.set_rng_state(self.cpu_rng)
+                saved_cpu = host_state(torch.get_rng_state())
+                torch.set_rng_state(tensor_state(self.cpu_rng))
                 if self.generators:
-                    saved_gens = [g.get_state() for g in self.generators]
-                    for g, state in zip(self.generators, self.generator_states):
-                        g.set_state(state)
+                    saved_gens = [host_state(g.get_state()) for g in self.generators]
+                    for g, gen_state in zip(self.generators, self.generator_states):
+                        g.set_state(tensor_state(gen_state))
                 if self.devices:
                     mod = _device_module(self.device_type)
                     saved_dev = []
@@ -362,10 +382,10 @@ class ForwardState:
         self, saved_cpu: Any, saved_dev: Any, mod: Any, saved_gens: Any = None
     ) -> None:
         if saved_cpu is not None:
-            torch.set_rng_state(saved_cpu)
+            torch.set_rng_state(tensor_state(saved_cpu))
         if saved_gens is not None:
             for g, state in zip(self.generators, saved_gens):
-                g.set_state(state)
+                g.set_state(tensor_state(state))
         if saved_dev is not None:
             for idx, state in zip(self.devices, saved_dev):
                 with mod.device(idx):
