@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     prof = remat.profile(probe, tokens, optimizer=probe_opt)
     profile_s = time.perf_counter() - started
     static = prof.static_step_bytes
-    every_act = floor_budget(prof, 100) - static
+    every_act = floor_budget(prof, 100) - static - prof.scratch_bytes
     print(
         f"profiled in {profile_s:.0f} s; static {static / 1e6:.1f} MB, predicted unchecked "
         f"{prof.unchecked_peak_bytes / 1e6:.1f} MB, every-block {(static + every_act) / 1e6:.1f} "

@@ -24,8 +24,8 @@ from .apply import restore_state, snapshot_state
 from .distributed import active, agree_max, agree_min, agree_profile, agree_same
 from .measure import Profile
 from .measure import profile as measure_profile
-from .model import fmt_bytes, parse_budget
-from .plan import Plan, plan
+from .model import fmt_bytes
+from .plan import Plan, budget_of, plan
 from .sharded import unsharded_storages
 from .state import (
     StepState,
@@ -216,8 +216,9 @@ def auto_checkpoint(
     """Profile, plan for ``budget``, apply in place, and check real steps.
 
     After applying, the first and a later step are measured
-    (:func:`measure_peak`). If the measured peak is over the budget (the model
-    is a prediction), the plan is made again with the budget lowered by the
+    (:func:`measure_peak`), plus the scratch inside operators the profile measured
+    (``Profile.scratch_bytes``: the allocator counts it, the tensors do not). If that
+    is over the budget (the model is a prediction), the plan is made again with the budget lowered by the
     overshoot, up to three times, and this is logged (logger ``"remat"``)
     unless ``quiet``. If it still misses, the blocks are put back as they were
     and :class:`~remat.PlanError` is raised: a plan known to be over budget is
@@ -251,7 +252,7 @@ def auto_checkpoint(
 
     Returns:
         The applied :class:`Plan` (its ``predicted_peak_bytes`` is the model's
-        prediction; the measured peak is within ``budget_bytes``).
+        prediction; the measured peak plus ``scratch_bytes`` is within ``budget_bytes``).
 
     Raises:
         PlanError: no plan reaches the budget, or the measured peak stays over it.
@@ -285,7 +286,8 @@ def auto_checkpoint(
     else:
         check_profile_matches(profile, model, args, kwargs, optimizer, set_to_none, check_fn)
         prof = agree_profile(profile) if agree else profile  # a no-op on an agreed profile
-    target = parse_budget(budget, prof.static_step_bytes, prof.unchecked_peak_bytes)
+    target = budget_of(prof, budget)
+    scratch = prof.scratch_bytes  # inside operators: not in measure_peak, in the allocator's
     if agree:
         (target,) = agree_min([target])
     chosen = plan(prof, target)
@@ -302,12 +304,12 @@ def auto_checkpoint(
         )
         if agree:  # every rank takes the same branch below
             (measured,) = agree_max([measured])
-        if measured <= target:
+        if measured + scratch <= target:
             chosen.budget_bytes = target
             return chosen
         if attempt == 3:
             break
-        goal -= measured - target
+        goal -= measured + scratch - target
         if not quiet:
             log.warning(
                 "remat.auto_checkpoint: measured peak %d B is over the budget %d B; planning "
@@ -322,8 +324,8 @@ def auto_checkpoint(
             break
     restore_state(blocks, wrapping)
     raise PlanError(
-        f"remat.auto_checkpoint: the measured step peak {fmt_bytes(measured)} ({measured} bytes) "
-        f"stays over the budget {fmt_bytes(target)} ({target} bytes) after re-planning "
+        f"remat.auto_checkpoint: the measured step peak {fmt_bytes(measured)} ({measured} bytes"
+        f"{f' + {scratch} scratch inside operators' if scratch else ''}) stays over the budget {fmt_bytes(target)} ({target} bytes) after re-planning "
         f"(predicted {fmt_bytes(chosen.predicted_peak_bytes)}); the model was left as it was. "
         "Raise the budget, use a smaller batch, or pick finer blocks (check_fn=...); if the "
         "prediction is far off, please report the model."

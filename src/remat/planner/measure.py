@@ -55,6 +55,7 @@ from .model import (
     equalize_costs,
     step_peak,
 )
+from .scratch import operator_scratch
 from .sharded import is_ddp, reshard, unsharded_storages
 from .solve import smallest_chain
 from .state import (
@@ -100,6 +101,10 @@ class Profile:
         chained: for each block but the last, whether the next block received a tensor
             this one returned (no code of the model between them): the blocks a span
             may join. Empty (a profile from an older version): no spans.
+        scratch_bytes: the most memory one operator of the step's forward and backward
+            allocates and frees before it returns, which the allocator counts and
+            :mod:`remat.memory` cannot (:mod:`remat.planner.scratch`); plans keep the
+            predicted peak plus this within the budget.
     """
 
     blocks: list[BlockCosts]
@@ -122,6 +127,7 @@ class Profile:
     end_grads: int = 0
     top_grads: int = 0
     chained: list[bool] = dataclasses.field(default_factory=list)
+    scratch_bytes: int = 0
 
     @property
     def static_step_bytes(self) -> int:
@@ -131,12 +137,14 @@ class Profile:
 
     @property
     def unchecked_peak_bytes(self) -> int:
-        """Predicted peak of a step with every block kept (absolute bytes)."""
+        """Predicted peak of a step with every block kept (absolute bytes of tensors; the
+        allocator's adds at most ``scratch_bytes``)."""
         return self.peak(["keep"] * len(self.blocks)).bytes
 
     @property
     def floor_bytes(self) -> int:
-        """The smallest predicted step peak any plan reaches (absolute bytes)."""
+        """The smallest predicted step peak any plan reaches (absolute bytes of tensors):
+        the smallest budget :func:`remat.plan` meets is this plus ``scratch_bytes``."""
         return self.peak(
             *smallest_chain(self.blocks, self.top, self.decisions, 16, self.chained)
         ).bytes
@@ -185,9 +193,11 @@ def profile(
 ) -> Profile:
     """Measure a training step and each candidate block under each decision.
 
-    Runs ``1 + len(decisions) * (1 + repeats)`` training steps (forward,
-    loss, backward; ``1 + len(decisions)`` with ``timer="flops"``), plus two
-    ``optimizer.step()`` calls when an optimizer is given. Everything they
+    Runs ``2 + len(decisions) * (1 + repeats)`` training steps (forward,
+    loss, backward; ``2 + len(decisions)`` with ``timer="flops"``), plus two
+    ``optimizer.step()`` calls when an optimizer is given. One of the steps runs
+    under ``torch.profiler`` to measure the scratch memory inside operators
+    (``Profile.scratch_bytes``). Everything they
     change is put back: parameter values, gradients (of parameters and inputs:
     the very tensors, untouched), optimizer state and hyper-parameters,
     buffers (BatchNorm running statistics), the RNG, and the blocks' wrapping.
@@ -332,6 +342,8 @@ def profile(
         calls.check(names)
         if is_ddp(model):  # DDP rebuilds its buckets in the second step: not in a measured one
             step()
+        clear_grads()
+        scratch = operator_scratch(step, device)
         storages = unsharded_storages(model)
         gbytes = grad_bytes(params, counted)
         clock = make_clock(device, threads) if timer == "time" else None
@@ -403,6 +415,7 @@ def profile(
         end_grads=keep_line.end_grads,
         top_grads=keep_line.top_grads,
         chained=calls.chained,
+        scratch_bytes=scratch,
     )
     return agree_profile(prof) if agree else prof
 

@@ -18,8 +18,11 @@ class Plan:
     """One decision per candidate block, with what the step model predicts for it.
 
     Bytes are absolute: the peak of one training step of the default loop
-    (parameters, buffers, inputs, gradients, optimizer state and activations),
-    as ``torch.cuda.max_memory_allocated()`` reports it for the step.
+    (parameters, buffers, inputs, gradients, optimizer state and activations).
+    ``predicted_peak_bytes`` counts tensor storages, as :mod:`remat.memory` measures
+    them; the allocator (``torch.cuda.max_memory_allocated()``) also counts the
+    scratch memory operators free before they return, at most ``scratch_bytes`` more.
+    A plan keeps ``predicted_peak_bytes + scratch_bytes`` within ``budget_bytes``.
 
     Attributes:
         decisions: block name -> ``keep`` / ``recompute`` / ``selective`` / ``offload``.
@@ -43,6 +46,8 @@ class Plan:
             blocks: one checkpointed region whose blocks run inside it as their
             decision says (``keep``: plain, one checkpoint over the span as in Chen et
             al.'s segments; ``recompute`` or ``split``: checkpointed inside it too).
+        scratch_bytes: the largest scratch one operator allocates inside
+            (``Profile.scratch_bytes``), added to the predicted peak for the budget.
     """
 
     decisions: dict[str, str]
@@ -58,6 +63,7 @@ class Plan:
     breakdown: dict[str, int] = dataclasses.field(default_factory=dict)
     peak_movable: bool = True
     spans: list[list[str]] = dataclasses.field(default_factory=list)
+    scratch_bytes: int = 0
 
     def to_json(self) -> str:
         """Plain JSON (no pickle)."""
@@ -108,8 +114,13 @@ class Plan:
         lines.append(
             f"{'total':<{w}}  {'':<{dw}}{fmt_bytes(sum(self.saved_bytes.values())):>12}{total_s:>14}"
         )
+        scratch = (
+            f" + {fmt_bytes(self.scratch_bytes)} scratch inside operators"
+            if self.scratch_bytes
+            else ""
+        )
         lines.append(
-            f"predicted step peak {fmt_bytes(self.predicted_peak_bytes)} vs unchecked "
+            f"predicted step peak {fmt_bytes(self.predicted_peak_bytes)}{scratch} vs unchecked "
             f"{fmt_bytes(self.unchecked_peak_bytes)} (budget {fmt_bytes(self.budget_bytes)})"
         )
         if self.breakdown:
@@ -157,6 +168,15 @@ def _tolerance(profile: Any, allowed: list[str]) -> float:
     for b in profile.blocks:
         sq += max([b.noise.get(d, 0.0) for d in allowed] + [0.0]) ** 2
     return math.sqrt(sq)
+
+
+def budget_of(profile: Any, budget: int | float | str) -> int:
+    """``budget`` in bytes for ``profile``: a percentage is of the activations, with the
+    static bytes and the scratch inside operators (which no plan changes) on top."""
+    scratch = int(getattr(profile, "scratch_bytes", 0))
+    return parse_budget(
+        budget, profile.static_step_bytes + scratch, profile.unchecked_peak_bytes + scratch
+    )
 
 
 def _check_profile(profile: Any) -> None:
@@ -227,7 +247,8 @@ def plan(
     allowed = list(profile.decisions)
     unchecked = profile.unchecked_peak_bytes
     static = profile.static_step_bytes
-    budget_bytes = parse_budget(budget, static, unchecked)
+    scratch = int(getattr(profile, "scratch_bytes", 0))
+    budget_bytes = budget_of(profile, budget)
     if spans is not None and not isinstance(spans, bool):
         raise TypeError(f"remat.plan: spans must be True, False or None, got {spans!r}.")
     if spans and solver == "milp":
@@ -246,12 +267,12 @@ def plan(
         chained = [False] * max(len(blocks) - 1, 0)
     floor_ds, floor_spans = smallest_chain(blocks, profile.top, allowed, longest, chained)
     floor = profile.peak(floor_ds, floor_spans)
-    if floor.bytes > budget_bytes:
-        raise PlanError(_miss(budget_bytes, floor, unchecked))
+    if floor.bytes + scratch > budget_bytes:
+        raise PlanError(_miss(budget_bytes, floor, unchecked, scratch))
     found = solve(
         blocks,
         profile.top,
-        budget_bytes - static,
+        budget_bytes - static - scratch,
         allowed,
         tolerance=_tolerance(profile, allowed),
         solver=name,
@@ -259,7 +280,7 @@ def plan(
         chained=chained,
     )
     if found is None:  # cannot happen when the floor fits; kept as a guard
-        raise PlanError(_miss(budget_bytes, floor, unchecked))
+        raise PlanError(_miss(budget_bytes, floor, unchecked, scratch))
     decisions, chosen_spans = found
     peak = profile.peak(decisions, chosen_spans)
     added = {b.name: float(b.cost[d]) for b, d in zip(blocks, decisions)}
@@ -284,15 +305,19 @@ def plan(
         breakdown=peak.breakdown,
         peak_movable=peak.movable,
         spans=[[blocks[a].name, blocks[z].name] for a, z in chosen_spans],
+        scratch_bytes=scratch,
     )
 
 
-def _miss(budget: int, floor: StepPeak, unchecked: int) -> str:
+def _miss(budget: int, floor: StepPeak, unchecked: int, scratch: int = 0) -> str:
     parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in floor.breakdown.items())
+    if scratch:
+        parts += f"; plus {fmt_bytes(scratch)} scratch inside operators"
+    low = floor.bytes + scratch
     msg = (
         f"remat.plan: no plan keeps the predicted step peak within {fmt_bytes(budget)} "
-        f"({budget} bytes); the smallest reachable peak is {fmt_bytes(floor.bytes)} "
-        f"({floor.bytes} bytes, unchecked {fmt_bytes(unchecked)}), in {floor.where} "
+        f"({budget} bytes); the smallest reachable peak is {fmt_bytes(low)} "
+        f"({low} bytes, unchecked {fmt_bytes(unchecked + scratch)}), in {floor.where} "
         f"({parts}). "
     )
     if floor.movable:

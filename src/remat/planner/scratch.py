@@ -1,0 +1,130 @@
+"""Scratch memory inside operators: what the allocator counts and the tracker cannot.
+
+Some kernels allocate memory and free it before they return (oneDNN's
+convolution backward on CPU: 2 MiB for a 32-channel 3x3 layer; cuDNN and
+attention kernels on a GPU). :mod:`remat.memory` counts tensor storages
+between operators, so its peak leaves that memory out, while the allocator's
+peak (``torch.cuda.max_memory_allocated()``, the CPU allocator's events in
+``torch.profiler``) includes it. The step model therefore adds, to every peak it
+predicts, the largest scratch one operator of the step allocates: an upper bound,
+since at any moment one operator runs and adds its own scratch, at most the
+largest. A budget then holds for the allocator's peak, not only for the tensors'.
+
+:func:`operator_scratch` measures it on one training step under
+``torch.profiler`` with ``profile_memory=True``: a dispatch mode marks each
+operator the tracker sees (a profiler range around it), and an operator's scratch
+is the most its allocations reach inside its range above both the bytes alive
+when it starts and those alive when it returns (its outputs are not scratch).
+Allocations of every thread inside the range count (intra-op worker threads).
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_MARK = "remat::operator"
+log = logging.getLogger("remat")
+
+
+class _MarkOperators(TorchDispatchMode):
+    """Puts a profiler range around every operator that reaches the dispatch modes."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        with _range(_MARK):
+            return func(*args, **(kwargs or {}))
+
+
+def _range(name: str) -> Any:
+    fast = getattr(torch._C._profiler, "_RecordFunctionFast", None)
+    return fast(name) if fast is not None else torch.autograd.profiler.record_function(name)
+
+
+@contextlib.contextmanager
+def _quiet_native_stderr() -> Iterator[None]:
+    """Silence what native code prints to file descriptor 2 (some builds log profiler
+    start and stop there); Python's own stderr is flushed first and works as before after."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no descriptor 2 (embedded interpreters): nothing to silence
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def operator_scratch(run: Callable[[], None], device: torch.device) -> int:
+    """The most memory of ``device`` one operator run by ``run()`` allocates and frees inside.
+
+    ``run`` is called once, under ``torch.profiler``. Returns 0 when a profiler is
+    already running (one cannot be nested in another), and logs it (logger
+    ``"remat"``).
+
+    Example:
+        >>> import torch
+        >>> x = torch.randn(8, 64, requires_grad=True)
+        >>> operator_scratch(lambda: x.sin().sum().backward(), torch.device("cpu"))
+        0
+    """
+    if torch.autograd._profiler_enabled():
+        log.warning(
+            "remat: a profiler is running, so scratch memory inside operators was not "
+            "measured (counted as 0): the plan's peak is the tensors' only."
+        )
+        run()
+        return 0
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_native_stderr():
+        prof.__enter__()
+    try:
+        with _MarkOperators():
+            run()
+    finally:
+        with _quiet_native_stderr():
+            prof.__exit__(None, None, None)
+    results = None if prof.profiler is None else prof.profiler.kineto_results
+    if results is None:  # the profiler collected nothing (not expected)
+        return 0
+    return largest_scratch(list(results.events()), device)
+
+
+def largest_scratch(events: list[Any], device: torch.device) -> int:
+    """The largest scratch of one marked operator in profiler ``events`` (see the module)."""
+    kind = device.type.upper()
+    index = -1 if device.type == "cpu" else (device.index if device.index is not None else 0)
+    allocs = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in events
+        if e.name() == "[memory]"
+        and e.device_type().name == kind
+        and (device.type == "cpu" or e.device_index() == index)
+    )
+    times = [t for t, _ in allocs]
+    best = 0
+    for e in events:
+        if e.name() != _MARK:
+            continue
+        lo = bisect.bisect_left(times, e.start_ns())
+        hi = bisect.bisect_right(times, e.end_ns())
+        cur = top = 0
+        for k in range(lo, hi):
+            cur += allocs[k][1]
+            top = max(top, cur)
+        best = max(best, top - max(cur, 0))
+    return best
