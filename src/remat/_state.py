@@ -231,7 +231,7 @@ def host_state(state: torch.Tensor) -> bytearray:
     planner did not predict. Kept as Python bytes instead, a stashed state is outside
     the tensor allocator for every meter, like the region's other Python objects.
     """
-    return bytearray(state.numpy().tobytes())
+    return bytearray(state.numpy())
 
 
 def tensor_state(state: bytearray) -> torch.Tensor:
