@@ -33,7 +33,8 @@ The hot path is one Python call per operator: a dict lookup per output, and
 the input storages are only collected when an output is not yet known.
 
 Not counted: scratch memory a kernel allocates and frees inside one operator
-(cuBLAS workspaces, CPU flash attention's buffers), allocator rounding and
+(cuBLAS workspaces, oneDNN's convolution backward; the planner measures the
+largest with the profiler, :mod:`remat.planner.scratch`), allocator rounding and
 caching, memory of tensor storages that existed before the context even when
 resized inside it, and anything run in threads the context does not reach
 (a ``DataLoader`` worker). Between operators, the bytes alive match the
