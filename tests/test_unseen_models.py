@@ -1,0 +1,161 @@
+"""``auto_checkpoint`` on models unlike the built-in ones: both promises hold, or a clear error.
+
+For each model, ``auto_checkpoint`` with AdamW, then two training steps of the default
+loop: the parameters after each step are bitwise those of an unchecked copy (dropout on,
+same seeds), the buffers too, and the step's absolute peak on ``torch.profiler``'s
+allocator meter (``referee``) is within the plan's budget.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from referee import referee
+from torch import nn
+
+import remat
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _alive(model: nn.Module, opt: torch.optim.Optimizer, inputs: list[torch.Tensor]) -> int:
+    """Bytes of the tensors a step starts with: parameters, buffers, gradients, state, inputs."""
+    seen: dict[int, int] = {}
+    tensors = [*model.parameters(), *model.buffers(), *inputs]
+    tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    tensors += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[st._cdata] = st.nbytes()
+    return sum(seen.values())
+
+
+def _tokens(vocab: int = 100, shape: tuple[int, int] = (4, 16)) -> torch.Tensor:
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(1))
+
+
+def _token_loss(out: torch.Tensor) -> torch.Tensor:
+    n = out.shape[0] * out.shape[1]
+    return F.cross_entropy(out.flatten(0, 1).float(), torch.arange(n) * 7 % out.shape[-1])
+
+
+def _sum_loss(out: torch.Tensor) -> torch.Tensor:
+    return out.float().sum()
+
+
+def check_auto(
+    model: nn.Module,
+    *args: Any,
+    budget: str = "55%",
+    loss_fn: Callable[[Any], torch.Tensor] = _sum_loss,
+    **kwargs: Any,
+) -> remat.Plan:
+    """``auto_checkpoint`` then two steps: bitwise updates and buffers, peak within budget."""
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    p = remat.auto_checkpoint(
+        model, *args, budget=budget, optimizer=opt, loss_fn=loss_fn, timer="flops", **kwargs
+    )
+    inputs = [t for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor)]
+
+    def step(m: nn.Module, o: torch.optim.Optimizer) -> None:
+        o.zero_grad()
+        torch.manual_seed(5)
+        loss_fn(m(*args, **kwargs)).backward()
+        o.step()
+
+    for i in range(2):  # the first step (optimizer state created) and a later one
+        start = _alive(model, opt, inputs)
+        raw_peak, _, _ = referee(lambda: step(model, opt))
+        assert start + raw_peak <= p.budget_bytes, (i, start + raw_peak, p.budget_bytes)
+        step(ref, ref_opt)
+        for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(a, b), (i, name)
+        for (name, a), b in zip(model.named_buffers(), ref.buffers()):
+            assert torch.equal(a, b), (i, name)
+    return p
+
+
+class RNNBlock(nn.Module):
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.rnn = nn.GRU(d, d, batch_first=True)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, _ = self.rnn(self.norm(x))
+        return x + self.drop(y)
+
+
+class GRUModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(100, 32)
+        self.blocks = nn.ModuleList(RNNBlock() for _ in range(4))
+        self.head = nn.Linear(32, 100)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _relu_inplace_mlp() -> nn.Module:
+    return nn.Sequential(
+        *[
+            nn.Sequential(nn.Linear(64, 256), nn.ReLU(inplace=True), nn.Linear(256, 64))
+            for _ in range(4)
+        ]
+    )
+
+
+def test_selective_blocks_of_grus_give_bitwise_gradients():
+    # nn.GRU adds to its gate products in place through unsafe_split chunks, which share
+    # the saved addmm output's storage but not its version counter: the saved value was
+    # served changed to the recompute (silently wrong gradients, as in torch)
+    torch.manual_seed(0)
+    p = check_auto(GRUModel(), _tokens(), loss_fn=_token_loss)
+    assert "selective" in p.decisions.values()
+
+
+def test_auto_checkpoint_plans_blocks_that_relu_a_linear_output_in_place():
+    # nn.ReLU(inplace=True) on a Linear's output changed the saved matmul output: the
+    # profile's selective step raised CheckpointError out of auto_checkpoint
+    torch.manual_seed(0)
+    p = check_auto(_relu_inplace_mlp(), torch.randn(256, 64), budget="70%")
+    assert "selective" in p.decisions.values()
+
+
+def test_prefer_save_recomputes_a_saved_output_changed_in_place_and_must_save_raises():
+    torch.manual_seed(0)
+    gru = nn.GRU(8, 8, batch_first=True)
+    x = torch.randn(2, 3, 8, requires_grad=True)
+
+    def grads(run: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+        gru.zero_grad()
+        x.grad = None
+        run(x).square().sum().backward()
+        return [*(p.grad for p in gru.parameters()), x.grad]  # type: ignore[list-item]
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        return gru(t)[0]
+
+    def ctx(prefer: bool) -> Any:
+        return functools.partial(
+            remat.create_selective_checkpoint_contexts, remat.policies.save_matmuls(prefer)
+        )
+
+    plain = grads(fn)
+    ours = grads(lambda t: remat.checkpoint(fn, t, context_fn=ctx(True)))
+    assert all(torch.equal(a, b) for a, b in zip(plain, ours))
+    with pytest.raises(remat.CheckpointError, match="unsafe_split"):
+        grads(lambda t: remat.checkpoint(fn, t, context_fn=ctx(False)))
