@@ -159,3 +159,40 @@ def test_prefer_save_recomputes_a_saved_output_changed_in_place_and_must_save_ra
     assert all(torch.equal(a, b) for a, b in zip(plain, ours))
     with pytest.raises(remat.CheckpointError, match="unsafe_split"):
         grads(lambda t: remat.checkpoint(fn, t, context_fn=ctx(False)))
+
+
+def _vgg() -> nn.Module:
+    """torchvision's VGG layout: every layer a block, nn.ReLU(inplace=True) among them."""
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
+        nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
+        nn.MaxPool2d(2), nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32),
+        nn.ReLU(inplace=True), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 8 * 8, 64),
+        nn.ReLU(inplace=True), nn.Dropout(0.3), nn.Linear(64, 10),
+    )  # fmt: skip
+
+
+def _class_loss(out: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out, torch.arange(out.shape[0]) % 10)
+
+
+def test_blocks_that_change_their_input_in_place_are_only_kept():
+    # an nn.ReLU(inplace=True) block checkpointed alone changes the input its region keeps:
+    # autograd's "modified by an inplace operation" leaked out of auto_checkpoint
+    torch.manual_seed(0)
+    model = _vgg()
+    prof = remat.profile(model, torch.randn(4, 3, 32, 32), timer="flops")
+    relus = {b.name for b in prof.blocks if isinstance(model.get_submodule(b.name), nn.ReLU)}
+    assert relus == {"2", "5", "9", "13"}
+    for b in prof.blocks:
+        assert (set(b.cost) == {"keep"}) == (b.name in relus), b.name
+    p = check_auto(model, torch.randn(4, 3, 32, 32), budget="75%", loss_fn=_class_loss)
+    assert all(p.decisions[n] == "keep" for n in relus)
+    assert not any(set(s) & relus for s in p.spans)
+
+
+def test_profile_with_flops_measures_decisions_without_recompute():
+    # step_cost read each block's "recompute" cost: KeyError when it was not measured
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
+    prof = remat.profile(model, torch.randn(4, 8), decisions=["keep", "selective"], timer="flops")
+    assert prof.step_cost == 3 * 3 * 2 * 4 * 8 * 8  # three forwards' FLOPs of three matmuls
