@@ -196,3 +196,56 @@ def test_profile_with_flops_measures_decisions_without_recompute():
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
     prof = remat.profile(model, torch.randn(4, 8), decisions=["keep", "selective"], timer="flops")
     assert prof.step_cost == 3 * 3 * 2 * 4 * 8 * 8  # three forwards' FLOPs of three matmuls
+
+
+class UNet(nn.Module):
+    """Skip connections across blocks (not a chain): encoder outputs reused by the decoder."""
+
+    def __init__(self, c: int = 8) -> None:
+        super().__init__()
+
+        def conv(i: int, o: int, stride: int = 1) -> nn.Module:
+            return nn.Sequential(nn.Conv2d(i, o, 3, stride, 1), nn.GroupNorm(2, o), nn.SiLU())
+
+        self.blocks = nn.ModuleList(
+            [
+                conv(3, c),
+                conv(c, 2 * c, 2),
+                conv(2 * c, 4 * c, 2),
+                conv(4 * c, 2 * c),
+                conv(4 * c, c),
+                nn.Conv2d(2 * c, 3, 3, padding=1),
+            ]
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = self.blocks
+        e1 = b[0](x)
+        e2 = b[1](e1)
+        d2 = b[3](F.interpolate(b[2](e2), scale_factor=2))
+        d1 = b[4](F.interpolate(torch.cat([d2, e2], 1), scale_factor=2))
+        return b[5](torch.cat([d1, e1], 1))
+
+
+def test_a_span_the_model_refuses_leaves_the_model_as_it_was():
+    # the plan's span over the U-Net's encoder (whose outputs the decoder keeps) raised the
+    # span's PlanError from auto_checkpoint's measuring step with the span left applied:
+    # every later forward of the user's model raised
+    from remat._spans import spans_in
+    from remat._wrap import wrapping_state
+
+    torch.manual_seed(0)
+    model, x = UNet(), torch.randn(8, 3, 32, 32)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(remat.PlanError, match="refused the plan's span.*without spans"):
+        remat.auto_checkpoint(model, x, budget="72%", optimizer=opt, timer="flops", quiet=True)
+    assert not spans_in(model)
+    assert all(not wrapping_state(m) for m in model.modules())
+    torch.manual_seed(5)
+    model(x).sum().backward()
+    torch.manual_seed(5)
+    ref(x).sum().backward()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a.grad, b.grad)  # type: ignore[arg-type]
+    check_auto(UNet(), torch.randn(8, 3, 32, 32), budget="80%")  # a plan without spans
