@@ -590,12 +590,20 @@ class _BackwardStart:
         self.windows.backward_start(self.i)
 
 
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # no storage (a tensor subclass)
+        return False
+
+
 class _CallCount:
     """How often each candidate block runs in one forward (recomputes not counted),
     whether each block received a tensor the block called just before it returned (the
     blocks a span may join: nothing of the model's own code between them), and which
     blocks change one of their input tensors in place (``nn.ReLU(inplace=True)`` as a
-    block: see :func:`profile`)."""
+    block: see :func:`profile`). A block that returns a view of the previous block's
+    output is not chained to it."""
 
     def __init__(self, names: Sequence[str]) -> None:
         self.counts: dict[str, int] = {}
@@ -628,6 +636,14 @@ class _CallCount:
                 self.mutating.add(name)
             outs: list[torch.Tensor] = []
             tensors_in(out, outs)
+            i = self.names.index(name)
+            if i > 0 and self.chained[i - 1]:
+                # A view of what the previous block returned (a Flatten, a reshape): a span
+                # that ends here would keep that output alive, which the step model counts
+                # as freed. Such blocks do not join the block before them.
+                got = [t for r in self.returned if (t := r()) is not None]
+                if any(_shares_storage(o, t) for o in outs for t in got):
+                    self.chained[i - 1] = False
             self.last = name
             self.returned = [weakref.ref(t) for t in outs]
 
