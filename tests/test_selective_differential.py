@@ -30,6 +30,9 @@ right behaviour and only the reference equality is asserted:
   unchanged, giving silently wrong gradients (no version error: the saved view
   does not share the version counter of its base). remat recomputes every op
   whose output aliases an input.
+* an output saved under ``PREFER_SAVE`` that the region changes in place later:
+  torch raises "cached ... has been mutated"; remat recomputes that op instead (as
+  under ``MUST_SAVE`` it raises too).
 * a saved in-place op (``add_``, ``relu_``, ``bernoulli_`` inside dropout):
   torch raises "cached ... has been mutated"; remat reruns the op (its output
   is its input, there is nothing to save) and gives the reference gradients.
@@ -44,7 +47,7 @@ import contextlib
 import functools
 import random
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -221,8 +224,9 @@ class Policy:
             lambda ctx, op, *a, **k: decide(self.seed, op, ctx.index)
         )
 
-    def torch_context_fn(self, saved: list[Any]) -> Any:
-        """torch's contexts; ``saved`` collects the ops the policy saves in forward."""
+    def torch_context_fn(self, saved: list[Any], preferred: list[Any] | None = None) -> Any:
+        """torch's contexts; ``saved`` collects the ops the policy saves in forward,
+        ``preferred`` those it answers ``PREFER_SAVE`` for."""
         counts: dict[Any, int] = {}
 
         def policy(ctx: Any, op: Any, *a: Any, **k: Any) -> Any:
@@ -230,6 +234,8 @@ class Policy:
             answer = (op in self.ops) if self.ops is not None else decide(self.seed, op, i)
             if is_save(answer):
                 saved.append(op)
+            if answer is P.PREFER_SAVE and preferred is not None:
+                preferred.append(op)
             return answer
 
         return tuc.create_selective_checkpoint_contexts(policy)
@@ -285,15 +291,20 @@ def run_once(
         return Outcome(error=e)
 
 
-def check_against_torch(ref: Outcome, ours: Outcome, theirs: Outcome, saved: list[Any]) -> None:
-    """The three-way comparison; ``saved`` lists the ops torch's policy saved."""
+def check_against_torch(
+    ref: Outcome, ours: Outcome, theirs: Outcome, saved: list[Any], preferred: Sequence[Any] = ()
+) -> None:
+    """The three-way comparison; ``saved`` lists the ops torch's policy saved, ``preferred``
+    those saved under ``PREFER_SAVE``."""
     if ref.error is not None:  # the program itself is invalid: everyone raises
         assert ours.error is not None and theirs.error is not None
         return
     if theirs.error is not None and ours.error is not None:
         return  # both raise (a saved output changed in place afterwards)
     if theirs.error is not None:  # remat does better: only for torch's known bugs
-        assert any(aliases_input(op) for op in saved), f"torch raised, remat not: {theirs.error!r}"
+        assert any(aliases_input(op) for op in saved) or (
+            "has been mutated" in str(theirs.error) and preferred
+        ), f"torch raised, remat not: {theirs.error!r}"
     assert_matches_reference(ref, ours, "remat")
     if theirs.error is None and not torch_known_wrong(saved):
         assert same_grads(ref.grads, theirs.grads), "torch differs from the uncheckpointed run"
@@ -304,6 +315,7 @@ def differential_case(seed: int) -> None:
     rng = random.Random(seed)
     prog, policy, p = gen_program(rng), make_policy(rng), Params(seed)
     saved: list[Any] = []
+    preferred: list[Any] = []
     ref = run_once(prog, p, lambda f, x: f(x))
     ours = run_once(
         prog, p, lambda f, x: remat.checkpoint(f, x, context_fn=policy.remat_context_fn),
@@ -313,10 +325,13 @@ def differential_case(seed: int) -> None:
         prog,
         p,
         lambda f, x: tuc.checkpoint(
-            f, x, use_reentrant=False, context_fn=lambda: policy.torch_context_fn(saved)
+            f,
+            x,
+            use_reentrant=False,
+            context_fn=lambda: policy.torch_context_fn(saved, preferred),
         ),
     )
-    check_against_torch(ref, ours, theirs, saved)
+    check_against_torch(ref, ours, theirs, saved, preferred)
 
 
 # -- tests -----------------------------------------------------------------------------
@@ -384,12 +399,13 @@ def nested_case(seed: int, outer_selective: bool) -> None:
     outer_pol, inner_pol, at = make_policy(rng), make_policy(rng), rng.randrange(len(prog))
     p = Params(seed)
     saved: list[Any] = []
+    preferred: list[Any] = []
 
     def ours_inner(f, t):
         return remat.checkpoint(f, t, context_fn=inner_pol.remat_context_fn)
 
     def theirs_inner(f, t):
-        ctx = functools.partial(inner_pol.torch_context_fn, saved)
+        ctx = functools.partial(inner_pol.torch_context_fn, saved, preferred)
         return tuc.checkpoint(f, t, use_reentrant=False, context_fn=ctx)
 
     def ours(f, x):
@@ -397,7 +413,7 @@ def nested_case(seed: int, outer_selective: bool) -> None:
         return remat.checkpoint(f, x, context_fn=ctx)
 
     def theirs(f, x):
-        ctx = functools.partial(outer_pol.torch_context_fn, saved)
+        ctx = functools.partial(outer_pol.torch_context_fn, saved, preferred)
         return tuc.checkpoint(
             f, x, use_reentrant=False, context_fn=ctx if outer_selective else tuc.noop_context_fn
         )
@@ -406,7 +422,7 @@ def nested_case(seed: int, outer_selective: bool) -> None:
     got = run_once(prog, p, ours, retain=True, inner=(at, sub, ours_inner))
     th = run_once(prog, p, theirs, inner=(at, sub, theirs_inner))
     try:
-        check_against_torch(ref, got, th, saved)
+        check_against_torch(ref, got, th, saved, preferred)
     except AssertionError as e:
         raise AssertionError(
             f"seed={seed} {prog} {outer_pol}, inner {sub} {inner_pol} at {at}: {e}"

@@ -22,6 +22,15 @@ times this operator already ran in the current run (forward or this
 recompute): a policy that wants "every second matmul" should use it instead of
 a counter of its own, which would drift between forward and recompute.
 
+An output the policy saves that the region then changes in place (``h = x @ w;
+h.relu_()``, or an in-place op on a piece of it that does not share its version
+counter, as the ``unsafe_split`` chunks of ``nn.GRU``'s gate products) would serve
+the changed values to the recompute. The forward watches the storages of saved
+outputs: under ``PREFER_SAVE`` such an output is recomputed instead (its value
+dropped at the change), under ``MUST_SAVE`` recompute raises
+:class:`~remat.CheckpointError` (as torch does for changes its version counter
+sees; torch misses the others and gives silently wrong gradients).
+
 Operators whose output aliases an input (views such as ``slice`` or
 ``transpose``, and in-place operators such as ``add_`` or ``bernoulli_``) are
 always recomputed, whatever the policy answers (it is still asked, so a
@@ -137,7 +146,13 @@ _MUTATION_FLAG = (
 
 
 class _Saved:
-    __slots__ = ("value", "versions", "rng")
+    """A saved output: detached aliases of the op's output tensors and their versions.
+
+    ``written`` is set when the forward wrote into the output's storage through a
+    tensor that may not share its version counter (see :meth:`_SaveMode._protect`).
+    """
+
+    __slots__ = ("value", "versions", "rng", "written")
 
     def __init__(self, out: Any) -> None:
         if isinstance(out, torch.Tensor):
@@ -147,6 +162,12 @@ class _Saved:
             self.value = [(_alias(o) if isinstance(o, torch.Tensor) else o) for o in out]
             self.versions = [(o._version if isinstance(o, torch.Tensor) else None) for o in out]
         self.rng: tuple[Any, ...] | None = None
+        self.written = False
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The saved tensors."""
+        vals = [self.value] if isinstance(self.value, torch.Tensor) else self.value
+        return [v for v in vals if isinstance(v, torch.Tensor)]
 
     def get(self, func: Any, allow_mutation: bool) -> Any:
         if isinstance(self.value, torch.Tensor):
@@ -157,15 +178,21 @@ class _Saved:
         ]
         return tuple(vals)
 
-    @staticmethod
-    def _one(v: torch.Tensor, version: int, func: Any, allow_mutation: bool) -> torch.Tensor:
-        if not allow_mutation and v._version != version:
+    def _one(self, v: torch.Tensor, version: int, func: Any, allow_mutation: bool) -> torch.Tensor:
+        if not allow_mutation and (v._version != version or self.written):
+            how = (
+                f"(version {version} -> {v._version})"
+                if v._version != version
+                else "(through a tensor sharing its storage but not its version counter, such "
+                "as a chunk of unsafe_split, as in nn.GRU)"
+            )
             raise CheckpointError(
                 "selective checkpointing: Tensor cached during selective activation checkpoint "
                 f"has been mutated: the output of {func} that the policy saved was modified in "
-                f"place after it was saved (version {version} -> {v._version}), so recompute "
-                "would read changed values. Make the in-place op out-of-place (e.g. x = x.relu() "
-                f"instead of x.relu_()) or have the policy recompute this op. {_MUTATION_FLAG}"
+                f"place after it was saved {how}, so recompute would read changed values. Make "
+                "the in-place op out-of-place (e.g. x = x.relu() instead of x.relu_()), have "
+                "the policy recompute this op, or answer CheckpointPolicy.PREFER_SAVE for it "
+                f"(an output changed in place is then recomputed). {_MUTATION_FLAG}"
             )
         return _alias(v)
 
@@ -316,24 +343,35 @@ class _SaveMode(TorchDispatchMode):
         super().__init__()
         self.policy = policy
         self.store = store
-        self.fast: tuple[frozenset[Any], _Kind, _Kind] | None = None
+        # (ops, their kind, whether they prefer to save, the kind of the rest, ...)
+        self.fast: tuple[frozenset[Any], _Kind, bool, _Kind, bool] | None = None
         if isinstance(policy, OpPolicy):
-            self.fast = (policy.ops, _kind(policy.on_match, None), _kind(policy.otherwise, None))
+            self.fast = (
+                policy.ops,
+                _kind(policy.on_match, None),
+                policy.on_match is CheckpointPolicy.PREFER_SAVE,
+                _kind(policy.otherwise, None),
+                policy.otherwise is CheckpointPolicy.PREFER_SAVE,
+            )
         self.offloaded: dict[int, tuple[_Offloaded, int]] = {}  # storage -> (entry, output)
+        # storage -> (the op's entries, index, entry, whether it prefers to save)
+        self.saved: dict[int, tuple[list[Any], int, _Saved, bool]] = {}
 
     def __enter__(self) -> _SaveMode:
         self.offloaded = {}
+        self.saved = {}
         return super().__enter__()  # type: ignore[no-any-return]
 
     def __exit__(self, *exc: Any) -> None:
         entries, self.offloaded = list(self.offloaded.values()), {}
+        self.saved = {}  # a change after the region is seen by the version counter
         super().__exit__(*exc)
         for entry, _ in entries:  # outside the mode: nothing here is a forward operator
             entry.settle()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if self.offloaded and _writes_input(func):
+        if (self.offloaded or self.saved) and _writes_input(func):
             self._protect(func, args, kwargs)
         out = func(*args, **kwargs)
         if func in SAC_IGNORED_OPS:
@@ -342,17 +380,23 @@ class _SaveMode(TorchDispatchMode):
         if entries is None:
             entries = self.store.entries[func] = []
         if self.fast is not None:
-            ops, on_match, otherwise = self.fast
-            kind = on_match if func in ops else otherwise
+            ops, on_match, prefer_match, otherwise, prefer_other = self.fast
+            kind, prefer = (on_match, prefer_match) if func in ops else (otherwise, prefer_other)
         else:
             ctx = SelectiveCheckpointContext(is_recompute=False, index=len(entries), op_output=out)
-            kind = _kind(self.policy(ctx, func, *args, **kwargs), func)
+            answer = self.policy(ctx, func, *args, **kwargs)
+            kind = _kind(answer, func)
+            prefer = answer is CheckpointPolicy.PREFER_SAVE
             self.store.answers.setdefault(func, []).append(kind)
         if kind is _Kind.RECOMPUTE or not _has_tensor(out) or _aliases_input(func):
             entries.append(_RECOMPUTE)
             return out
         if kind is _Kind.SAVE:
             entry: Any = _Saved(out)
+            watch = (entries, len(entries), entry, prefer)
+            for t in entry.tensors():
+                if t.layout is torch.strided and t.numel():
+                    self.saved[t.untyped_storage().data_ptr()] = watch
         else:
             if self.store.stash is None:
                 self.store.stash = shared_stash()
@@ -367,7 +411,13 @@ class _SaveMode(TorchDispatchMode):
         return out
 
     def _protect(self, func: Any, args: Any, kwargs: Any) -> None:
-        """Before ``func`` writes into an offloaded output, keep the output's value."""
+        """Before ``func`` writes into a kept output, keep the output's value (offloaded), or
+        recompute the output instead (saved, ``PREFER_SAVE``), or mark it changed (saved,
+        ``MUST_SAVE``: recompute raises).
+
+        By storage, not by version counter: a tensor can share an output's storage but not
+        its version counter (the chunks of ``unsafe_split``, which ``nn.GRU`` adds to in place).
+        """
         schema = func._schema
         for i, a in enumerate(schema.arguments):
             if a.alias_info is None or not a.alias_info.is_write:
@@ -375,9 +425,24 @@ class _SaveMode(TorchDispatchMode):
             v = args[i] if i < len(args) else kwargs.get(a.name)
             for t in v if isinstance(v, (list, tuple)) else (v,):
                 if isinstance(t, torch.Tensor) and t.layout is torch.strided and t.numel():
-                    hit = self.offloaded.pop(t.untyped_storage().data_ptr(), None)
+                    ptr = t.untyped_storage().data_ptr()
+                    hit = self.offloaded.pop(ptr, None)
                     if hit is not None:
                         hit[0].protect(hit[1])
+                    saved = self.saved.pop(ptr, None)
+                    if saved is not None:
+                        self._changed(*saved)
+
+    def _changed(self, entries: list[Any], index: int, entry: _Saved, prefer: bool) -> None:
+        """A saved output is about to be changed in place inside the region."""
+        if not prefer:
+            entry.written = True
+            return
+        if entries[index] is entry:  # recompute it: the saved value would be the changed one
+            entries[index] = _RECOMPUTE
+        for t in entry.tensors():  # the entry's other outputs are no longer watched
+            if t.layout is torch.strided and t.numel():
+                self.saved.pop(t.untyped_storage().data_ptr(), None)
 
 
 @functools.cache

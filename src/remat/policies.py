@@ -118,15 +118,26 @@ class OpPolicy:
         return f"OpPolicy({len(self.ops)} ops, on_match={self.on_match.name}, otherwise={self.otherwise.name})"
 
 
-def save_matmuls() -> OpPolicy:
+def save_matmuls(prefer: bool = False) -> OpPolicy:
     """Save the outputs of matmul-like operators, recompute everything else.
+
+    Args:
+        prefer: answer ``PREFER_SAVE`` instead of ``MUST_SAVE``: an output the
+            region changes in place (``F.relu(linear(x), inplace=True)``, ``nn.GRU``'s
+            gate products) is then recomputed rather than raising
+            :class:`~remat.CheckpointError` in backward (what the planner's
+            ``selective`` decision uses).
 
     Example:
         >>> import remat
-        >>> remat.policies.save_matmuls().on_match.name
-        'MUST_SAVE'
+        >>> remat.policies.save_matmuls().on_match.name, remat.policies.save_matmuls(prefer=True).on_match.name
+        ('MUST_SAVE', 'PREFER_SAVE')
     """
-    return OpPolicy(matmul_ops(), CheckpointPolicy.MUST_SAVE)
+    if not isinstance(prefer, bool):
+        raise TypeError(f"save_matmuls: prefer must be True or False, got {prefer!r}.")
+    return OpPolicy(
+        matmul_ops(), CheckpointPolicy.PREFER_SAVE if prefer else CheckpointPolicy.MUST_SAVE
+    )
 
 
 def offload_matmuls() -> OpPolicy:

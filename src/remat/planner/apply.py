@@ -46,7 +46,7 @@ def apply_decision(module: nn.Module, decision: str) -> None:
     elif decision == "recompute":
         checkpoint_wrapper(module)
     elif decision == "selective":
-        checkpoint_wrapper(module, policy=save_matmuls())
+        checkpoint_wrapper(module, policy=save_matmuls(prefer=True))
     elif decision == "offload":
         offload_only(module)
 
@@ -87,7 +87,7 @@ def apply_plan(plan: Any, model: nn.Module) -> nn.Module:
         apply_decision(module, "keep" if name in in_span else decision)
     for members in spans:
         inner = plan.decisions[members[0]]
-        policy = save_matmuls() if inner == "selective" else None
+        policy = save_matmuls(prefer=True) if inner == "selective" else None
         apply_span(model, members, inner=inner, policy=policy)
     return model
 

@@ -222,7 +222,10 @@ def auto_checkpoint(
     overshoot, up to three times, and this is logged (logger ``"remat"``)
     unless ``quiet``. If it still misses, the blocks are put back as they were
     and :class:`~remat.PlanError` is raised: a plan known to be over budget is
-    never returned.
+    never returned. A span the model refuses when it runs (a block's output kept
+    past the next block, as a U-Net's skip connections do, which the profile cannot
+    see) is logged and the plan made again without spans; whatever fails, the model
+    is left as it was.
 
     Args:
         model: changed in place.
@@ -295,13 +298,41 @@ def auto_checkpoint(
     wrapping = snapshot_state(blocks)
     goal = target
     measured = 0
+    spans = True
     for attempt in range(4):
         if agree:  # plan() is deterministic on the agreed profile; checked all the same
             agree_same((chosen.decisions, chosen.spans), "the plan's decisions")
-        chosen.apply(model)
-        measured = measure_peak(
-            model, *args, optimizer=optimizer, set_to_none=set_to_none, loss_fn=loss_fn, **kwargs
-        )
+        try:
+            chosen.apply(model)
+            measured = measure_peak(
+                model,
+                *args,
+                optimizer=optimizer,
+                set_to_none=set_to_none,
+                loss_fn=loss_fn,
+                **kwargs,
+            )
+        except PlanError as e:
+            if not chosen.spans:
+                restore_state(blocks, wrapping)
+                raise
+            # The model refused a span the plan chose (a block's output kept past the next
+            # block, as a U-Net's skip connection: the profile cannot see it, the span can).
+            spans = False
+            if not quiet:
+                log.warning("remat.auto_checkpoint: %s Planning again without spans.", e)
+            try:
+                chosen = plan(prof, max(goal, 1), spans=False)
+            except PlanError as again:
+                restore_state(blocks, wrapping)
+                raise PlanError(
+                    f"remat.auto_checkpoint: the model refused the plan's span ({e}); without "
+                    f"spans, {again} The model was left as it was."
+                ) from None
+            continue
+        except BaseException:
+            restore_state(blocks, wrapping)  # never a model left half planned
+            raise
         if agree:  # every rank takes the same branch below
             (measured,) = agree_max([measured])
         if measured + scratch <= target:
@@ -319,7 +350,7 @@ def auto_checkpoint(
                 goal,
             )
         try:
-            chosen = plan(prof, max(goal, 1))
+            chosen = plan(prof, max(goal, 1), spans=spans)
         except PlanError:
             break
     restore_state(blocks, wrapping)

@@ -219,6 +219,10 @@ def profile(
             ``selective``, ``offload`` on a device, and ``split`` (the block
             checkpointed with each of its children nested inside, below the
             every-block floor) when a block has two or more children with parameters.
+            A block that changes one of its input tensors in place
+            (``nn.ReLU(inplace=True)`` as a block of an ``nn.Sequential``) can only be
+            kept: a checkpoint keeps its input for the recompute, which the block
+            changes (and keeping it costs what keeping the block does).
         timer: ``"time"`` (seconds) or ``"flops"`` (recomputed FLOPs, deterministic).
             FLOPs count what ``torch.utils.flop_counter`` counts (matmuls,
             convolutions, attention): recomputing norms and activations counts as
@@ -329,6 +333,7 @@ def profile(
     noise: dict[str, dict[str, float]] = {}
     keep_step = 0.0
     opt_terms = (0, 0, 0)
+    mutating: set[str] = set()
     try:
         calls = _CallCount(names)
         count_handles = [
@@ -340,6 +345,9 @@ def profile(
             for ch in count_handles:
                 ch.remove()
         calls.check(names)
+        # A block that changes its input in place cannot be recomputed from that input
+        # (the region keeps it; autograd raises when backward reads it): it is kept, alone.
+        mutating = calls.mutating
         if is_ddp(model):  # DDP rebuilds its buckets in the second step: not in a measured one
             step()
         clear_grads()
@@ -349,7 +357,10 @@ def profile(
         clock = make_clock(device, threads) if timer == "time" else None
         for d in decisions:
             for n, m in blocks.items():  # a block that cannot split is recomputed meanwhile
-                apply_decision(m, "recompute" if d == "split" and n not in splittable else d)
+                if n in mutating:
+                    apply_decision(m, "keep")
+                else:
+                    apply_decision(m, "recompute" if d == "split" and n not in splittable else d)
             clear_grads()
             # Memory: bytes do not depend on threads, so this step runs at full speed.
             with memory.track(counted) as tracker:
@@ -371,7 +382,10 @@ def profile(
                 if d == "keep":
                     keep_step = float(sorted(step_costs)[len(step_costs) // 2])
         if timer == "flops":
-            times = flop_costs(model, blocks, args, kwargs, loss_fn, decisions)
+            # "recompute" as well: a whole step's FLOPs are three times the blocks' forwards
+            times = flop_costs(
+                model, blocks, args, kwargs, loss_fn, list(dict.fromkeys([*decisions, "recompute"]))
+            )
             noise = {d: dict.fromkeys(names, 0.0) for d in decisions}
     finally:
         restore_state(blocks, wrapping)
@@ -387,10 +401,18 @@ def profile(
         [storage_bytes([*m.parameters(), *m.buffers()], counted) for m in blocks.values()],
     )
     for b in costs:
-        if b.name not in splittable:
+        dropped = [d for d in decisions if d != "keep"] if b.name in mutating else ["split"]
+        if b.name in mutating or b.name not in splittable:
             for terms in (b.retained, b.fwd_excess, b.bwd_excess, b.cost, b.noise):
-                terms.pop("split", None)
-    equalize_costs(costs, [_signature(m, b.input_bytes) for m, b in zip(blocks.values(), costs)])
+                for d in dropped:
+                    terms.pop(d, None)
+    equalize_costs(
+        costs,
+        [
+            (_signature(m, b.input_bytes), b.name in mutating)
+            for m, b in zip(blocks.values(), costs)
+        ],
+    )
     shapes: list[torch.Tensor] = []
     tensors_in((args, kwargs), shapes)
     first, later, opt_state = opt_terms
@@ -403,7 +425,7 @@ def profile(
         input_shapes=[list(t.shape) for t in shapes],
         device=str(device),
         torch_version=torch.__version__,
-        step_cost=keep_step if timer == "time" else 3.0 * sum(b.cost["recompute"] for b in costs),
+        step_cost=keep_step if timer == "time" else 3.0 * sum(times["recompute"].values()),
         static_bytes=static_bytes(model, (args, kwargs), counted),
         grad_bytes=gbytes,
         grads_kept=not set_to_none,
@@ -568,10 +590,20 @@ class _BackwardStart:
         self.windows.backward_start(self.i)
 
 
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # no storage (a tensor subclass)
+        return False
+
+
 class _CallCount:
-    """How often each candidate block runs in one forward (recomputes not counted), and
+    """How often each candidate block runs in one forward (recomputes not counted),
     whether each block received a tensor the block called just before it returned (the
-    blocks a span may join: nothing of the model's own code between them)."""
+    blocks a span may join: nothing of the model's own code between them), and which
+    blocks change one of their input tensors in place (``nn.ReLU(inplace=True)`` as a
+    block: see :func:`profile`). A block that returns a view of the previous block's
+    output is not chained to it."""
 
     def __init__(self, names: Sequence[str]) -> None:
         self.counts: dict[str, int] = {}
@@ -579,16 +611,19 @@ class _CallCount:
         self.chained = [False] * max(len(self.names) - 1, 0)
         self.last: str | None = None  # the block that returned last
         self.returned: list[weakref.ref[torch.Tensor]] = []
+        self.mutating: set[str] = set()
+        self.versions: dict[str, list[tuple[torch.Tensor, int]]] = {}  # the running block's
 
     def hook(self, name: str) -> Callable[[Any, Any, Any], None]:
         def pre(module: Any, args: Any, kwargs: Any) -> None:
             if is_recomputing():
                 return
             self.counts[name] = self.counts.get(name, 0) + 1
+            got: list[torch.Tensor] = []
+            tensors_in((args, kwargs), got)
+            self.versions[name] = [(t, t._version) for t in got]
             i = self.names.index(name)
             if i > 0 and self.last == self.names[i - 1]:
-                got: list[torch.Tensor] = []
-                tensors_in((args, kwargs), got)
                 self.chained[i - 1] = any(r() is t for r in self.returned for t in got)
 
         return pre
@@ -597,8 +632,18 @@ class _CallCount:
         def hook(module: Any, args: Any, kwargs: Any, out: Any) -> None:
             if is_recomputing():
                 return
+            if any(t._version != v for t, v in self.versions.pop(name, [])):
+                self.mutating.add(name)
             outs: list[torch.Tensor] = []
             tensors_in(out, outs)
+            i = self.names.index(name)
+            if i > 0 and self.chained[i - 1]:
+                # A view of what the previous block returned (a Flatten, a reshape): a span
+                # that ends here would keep that output alive, which the step model counts
+                # as freed. Such blocks do not join the block before them.
+                got = [t for r in self.returned if (t := r()) is not None]
+                if any(_shares_storage(o, t) for o in outs for t in got):
+                    self.chained[i - 1] = False
             self.last = name
             self.returned = [weakref.ref(t) for t in outs]
 
