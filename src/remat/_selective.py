@@ -313,7 +313,7 @@ def _rng_after(out: Any) -> tuple[Any, ...]:
         mod = torch.get_device_module(t.device.type)
         with mod.device(t.device):
             dev = (mod, t.device, mod.get_rng_state())
-    return (host_state(torch.get_rng_state()), dev)
+    return (host_state(torch.get_rng_state(), dev is None), dev)
 
 
 def _set_rng(state: tuple[Any, ...]) -> None:

@@ -222,27 +222,32 @@ def _innermost_device_context() -> Any:
     return None
 
 
-def host_state(state: torch.Tensor) -> bytearray:
-    """A CPU RNG state (a ``uint8`` tensor) as a plain Python buffer.
+def host_state(state: torch.Tensor, on_cpu: bool = True) -> bytearray | torch.Tensor:
+    """A CPU RNG state (a ``uint8`` tensor) as a plain Python buffer, for a region on CPU.
 
     ``torch.get_rng_state()`` returns a 5056-byte tensor that no operator made, so
-    remat's memory tracker cannot see it while ``torch.cuda.max_memory_allocated`` or
-    the CPU allocator's profiler events count it (host side): a region kept 5 KB the
-    planner did not predict. Kept as Python bytes instead, a stashed state is outside
-    the tensor allocator for every meter, like the region's other Python objects.
+    remat's memory tracker cannot see it while the CPU allocator (its events in
+    ``torch.profiler``) counts it: a region on CPU kept 5 KB the planner did not predict.
+    Kept as Python bytes instead, a stashed state is outside the tensor allocator for
+    every meter, like the region's other Python objects. The copy costs about 5 us per
+    state; a region on a device (``on_cpu=False``) keeps the tensor, which is host memory
+    and not in the device's budget.
     """
-    return bytearray(state.numpy())
+    return bytearray(state.numpy()) if on_cpu else state
 
 
-def tensor_state(state: bytearray) -> torch.Tensor:
+def tensor_state(state: bytearray | torch.Tensor) -> torch.Tensor:
     """The ``uint8`` tensor ``torch.set_rng_state`` takes, over ``state``'s memory (no copy)."""
+    if isinstance(state, torch.Tensor):
+        return state
     return torch.frombuffer(state, dtype=torch.uint8)
 
 
 class ForwardState:
     """RNG, autocast, default dtype and device state recorded when a checkpointed forward starts.
 
-    CPU RNG and generator states are kept as Python buffers (:func:`host_state`).
+    For a region on CPU, the CPU RNG and generator states are kept as Python buffers
+    (:func:`host_state`).
     """
 
     __slots__ = (
@@ -274,17 +279,13 @@ class ForwardState:
         self.device_ctx: Any = None
         if torch._C._is_torch_function_mode_enabled():  # cheap test first: rarely true
             self.device_ctx = _innermost_device_context()
-        self.cpu_rng: bytearray | None = None
+        self.cpu_rng: bytearray | torch.Tensor | None = None
         self.device_type = "cpu"
         self.devices: list[int] = []
         self.device_rngs: list[torch.Tensor] = []
         self.generators: list[torch.Generator] = []
-        self.generator_states: list[bytearray] = []
+        self.generator_states: list[bytearray | torch.Tensor] = []
         if preserve_rng_state:
-            self.cpu_rng = host_state(torch.get_rng_state())
-            if generators:
-                self.generators = generators
-                self.generator_states = [host_state(g.get_state()) for g in generators]
             device_type = infer_device_type(tensors)
             self.device_type = device_type
             if device_type != "cpu" and _device_initialized(device_type):
@@ -297,6 +298,11 @@ class ForwardState:
                 for idx in self.devices:
                     with mod.device(idx):
                         self.device_rngs.append(mod.get_rng_state())
+            on_cpu = not self.devices  # a region on CPU: its states out of the allocator
+            self.cpu_rng = host_state(torch.get_rng_state(), on_cpu)
+            if generators:
+                self.generators = generators
+                self.generator_states = [host_state(g.get_state(), on_cpu) for g in generators]
 
     def enter(self) -> tuple[Any, ...]:
         """Put the forward's state in place; return what :meth:`exit` restores."""
@@ -306,10 +312,11 @@ class ForwardState:
         clear = False
         try:
             if self.cpu_rng is not None:
-                saved_cpu = host_state(torch.get_rng_state())
+                on_cpu = not self.devices
+                saved_cpu = host_state(torch.get_rng_state(), on_cpu)
                 torch.set_rng_state(tensor_state(self.cpu_rng))
                 if self.generators:
-                    saved_gens = [host_state(g.get_state()) for g in self.generators]
+                    saved_gens = [host_state(g.get_state(), on_cpu) for g in self.generators]
                     for g, gen_state in zip(self.generators, self.generator_states):
                         g.set_state(tensor_state(gen_state))
                 if self.devices:
