@@ -1,10 +1,18 @@
-"""An independent meter: the raw CPU allocator events of ``torch.profiler``."""
+"""An independent meter: the raw CPU allocator events of ``torch.profiler``; and
+:func:`check_auto`, the planner's two promises checked with it."""
 
 from __future__ import annotations
 
+import copy
 import gc
+from collections.abc import Callable
+from typing import Any
 
+import torch
+from torch import nn
 from torch.profiler import ProfilerActivity, profile
+
+import remat
 
 
 def referee(run):
@@ -38,3 +46,53 @@ def referee(run):
         cur += e.nbytes()
         peak = max(peak, cur)
     return peak, max(between, cur), cur
+
+
+def alive_bytes(model: nn.Module, opt: torch.optim.Optimizer, inputs: list[torch.Tensor]) -> int:
+    """Bytes of the tensors a step starts with: parameters, buffers, gradients, state, inputs."""
+    seen: dict[int, int] = {}
+    tensors = [*model.parameters(), *model.buffers(), *inputs]
+    tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    tensors += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[st._cdata] = st.nbytes()
+    return sum(seen.values())
+
+
+def _sum_loss(out: torch.Tensor) -> torch.Tensor:
+    return out.float().sum()
+
+
+def check_auto(
+    model: nn.Module,
+    *args: Any,
+    budget: str = "55%",
+    loss_fn: Callable[[Any], torch.Tensor] = _sum_loss,
+    **kwargs: Any,
+) -> remat.Plan:
+    """``auto_checkpoint`` then two steps: bitwise updates and buffers, peak within budget."""
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    p = remat.auto_checkpoint(
+        model, *args, budget=budget, optimizer=opt, loss_fn=loss_fn, timer="flops", **kwargs
+    )
+    inputs = [t for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor)]
+
+    def step(m: nn.Module, o: torch.optim.Optimizer) -> None:
+        o.zero_grad()
+        torch.manual_seed(5)
+        loss_fn(m(*args, **kwargs)).backward()
+        o.step()
+
+    for i in range(2):  # the first step (optimizer state created) and a later one
+        start = alive_bytes(model, opt, inputs)
+        raw_peak, _, _ = referee(lambda: step(model, opt))
+        assert start + raw_peak <= p.budget_bytes, (i, start + raw_peak, p.budget_bytes)
+        step(ref, ref_opt)
+        for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(a, b), (i, name)
+        for (name, a), b in zip(model.named_buffers(), ref.buffers()):
+            assert torch.equal(a, b), (i, name)
+    return p

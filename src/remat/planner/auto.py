@@ -218,9 +218,9 @@ def auto_checkpoint(
     After applying, the first and a later step are measured
     (:func:`measure_peak`), plus the scratch inside operators the profile measured
     (``Profile.scratch_bytes``: the allocator counts it, the tensors do not). If that
-    is over the budget (the model is a prediction), the plan is made again with the budget lowered by the
-    overshoot, up to three times, and this is logged (logger ``"remat"``)
-    unless ``quiet``. If it still misses, the blocks are put back as they were
+    is over the budget (the model is a prediction), the plan is made again with the
+    budget lowered by the overshoot, up to three times, and this is logged (logger
+    ``"remat"``) unless ``quiet``. If it still misses, the blocks are put back as they were
     and :class:`~remat.PlanError` is raised: a plan known to be over budget is
     never returned. A span the model refuses when it runs (a block's output kept
     past the next block, as a U-Net's skip connections do, which the profile cannot
@@ -354,9 +354,10 @@ def auto_checkpoint(
         except PlanError:
             break
     restore_state(blocks, wrapping)
+    plus = f" + {scratch} scratch inside operators" if scratch else ""
     raise PlanError(
         f"remat.auto_checkpoint: the measured step peak {fmt_bytes(measured)} ({measured} bytes"
-        f"{f' + {scratch} scratch inside operators' if scratch else ''}) stays over the budget {fmt_bytes(target)} ({target} bytes) after re-planning "
+        f"{plus}) stays over the budget {fmt_bytes(target)} ({target} bytes) after re-planning "
         f"(predicted {fmt_bytes(chosen.predicted_peak_bytes)}); the model was left as it was. "
         "Raise the budget, use a smaller batch, or pick finer blocks (check_fn=...); if the "
         "prediction is far off, please report the model."

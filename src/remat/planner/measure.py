@@ -592,7 +592,8 @@ class _BackwardStart:
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     try:
-        return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+        sa, sb = a.untyped_storage(), b.untyped_storage()
+        return bool(sa.nbytes() and sa.data_ptr() == sb.data_ptr())  # empty ones share none
     except (RuntimeError, NotImplementedError):  # no storage (a tensor subclass)
         return False
 
