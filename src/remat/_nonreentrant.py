@@ -468,6 +468,8 @@ def run_nonreentrant(
     rec_ctx: Any = None
     if context_fn is not None:
         fwd_ctx, rec_ctx = _contexts(context_fn)
+    if fwd_ctx is not None and hasattr(fwd_ctx, "enclosing"):
+        fwd_ctx.enclosing = enclosing_region()
     frame = _Frame(
         fn, args, kwargs, nested, tensors, state, rec_ctx, determinism_check, early_stop, debug
     )
@@ -490,6 +492,26 @@ def run_nonreentrant(
         frame.fwd_ops = log.ops
     frame.forward_completed = True
     return out
+
+
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+
+def enclosing_region() -> tuple[Callable[[Any], Any], Callable[[Any], Any]] | None:
+    """The saved-tensor hooks of the remat region the code runs in (its forward or its
+    recompute), or ``None`` outside one (or under other hooks, such as ``save_on_cpu``).
+
+    A selective region nested in another hands what its policy saves to these hooks, as
+    every region hands them its inputs: the enclosing region then drops it in forward and
+    brings it back with its own recompute (:class:`remat._selective._Passed`).
+    """
+    hooks = _top_hooks(False)
+    if hooks is None:
+        return None
+    owner = getattr(hooks[0], "__self__", None)
+    if isinstance(owner, (_Frame, _RecomputeHook)):
+        return hooks[0], hooks[1]
+    return None
 
 
 def _contexts(context_fn: Callable[[], Any]) -> tuple[Any, Any]:

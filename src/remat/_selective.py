@@ -180,21 +180,85 @@ class _Saved:
 
     def _one(self, v: torch.Tensor, version: int, func: Any, allow_mutation: bool) -> torch.Tensor:
         if not allow_mutation and (v._version != version or self.written):
-            how = (
-                f"(version {version} -> {v._version})"
-                if v._version != version
-                else "(through a tensor sharing its storage but not its version counter, such "
-                "as a chunk of unsafe_split, as in nn.GRU)"
-            )
-            raise CheckpointError(
-                "selective checkpointing: Tensor cached during selective activation checkpoint "
-                f"has been mutated: the output of {func} that the policy saved was modified in "
-                f"place after it was saved {how}, so recompute would read changed values. Make "
-                "the in-place op out-of-place (e.g. x = x.relu() instead of x.relu_()), have "
-                "the policy recompute this op, or answer CheckpointPolicy.PREFER_SAVE for it "
-                f"(an output changed in place is then recomputed). {_MUTATION_FLAG}"
-            )
+            _mutated(func, version, v, self.written)
         return _alias(v)
+
+    @property
+    def ptrs(self) -> list[int]:
+        """The storages of the saved tensors (watched for writes inside the region)."""
+        return [
+            t.untyped_storage().data_ptr()
+            for t in self.tensors()
+            if t.layout is torch.strided and t.numel()
+        ]
+
+
+class _Passed:
+    """A saved output handed to the region this one is nested in (a span, an outer
+    checkpoint): packed by that region's saved-tensor hook, which keeps nothing in
+    forward and puts the value back when its recompute reaches this operator again.
+
+    Without it the cache would stay alive until backward although the enclosing
+    region drops everything else its blocks save: a span of selective blocks then
+    held each block's cache *and* recomputed the blocks. The values served are the
+    enclosing recompute's, so a change of the forward's output after the region
+    cannot reach them; a change inside the region is seen as for :class:`_Saved`
+    (``written``; the version counter, also in the enclosing recompute).
+    """
+
+    __slots__ = ("packed", "versions", "single", "unpack", "ptrs", "held", "rng", "written")
+
+    def __init__(self, out: Any, pack: Callable[[Any], Any], unpack: Callable[[Any], Any]) -> None:
+        self.single = isinstance(out, torch.Tensor)
+        outs = [out] if self.single else list(out)
+        # aliases, not the outputs: an output holds its graph node (see _Offloaded)
+        aliases = [_alias(o) if isinstance(o, torch.Tensor) else o for o in outs]
+        self.packed = [pack(a) if isinstance(a, torch.Tensor) else a for a in aliases]
+        # held until the region's forward ends: the storages are watched by address
+        # (:meth:`_SaveMode._protect`), which must not be handed to another tensor meanwhile
+        self.held: list[Any] | None = aliases
+        self.versions = [o._version if isinstance(o, torch.Tensor) else None for o in outs]
+        self.ptrs = [
+            o.untyped_storage().data_ptr()
+            for o in outs
+            if isinstance(o, torch.Tensor) and o.layout is torch.strided and o.numel()
+        ]
+        self.unpack = unpack
+        self.rng: tuple[Any, ...] | None = None
+        self.written = False
+
+    def release(self) -> None:
+        """The region's forward ended: from now on only the enclosing region keeps it."""
+        self.held = None
+
+    def get(self, func: Any, allow_mutation: bool) -> Any:
+        vals = []
+        for p, ver in zip(self.packed, self.versions):
+            if ver is None:
+                vals.append(p)
+                continue
+            v = self.unpack(p)
+            if not allow_mutation and (v._version != ver or self.written):
+                _mutated(func, ver, v, self.written)
+            vals.append(_alias(v))
+        return vals[0] if self.single else tuple(vals)
+
+
+def _mutated(func: Any, version: int, v: torch.Tensor, written: bool) -> None:
+    how = (
+        f"(version {version} -> {v._version})"
+        if v._version != version
+        else "(through a tensor sharing its storage but not its version counter, such "
+        "as a chunk of unsafe_split, as in nn.GRU)"
+    )
+    raise CheckpointError(
+        "selective checkpointing: Tensor cached during selective activation checkpoint "
+        f"has been mutated: the output of {func} that the policy saved was modified in "
+        f"place after it was saved {how}, so recompute would read changed values. Make "
+        "the in-place op out-of-place (e.g. x = x.relu() instead of x.relu_()), have "
+        "the policy recompute this op, or answer CheckpointPolicy.PREFER_SAVE for it "
+        f"(an output changed in place is then recomputed). {_MUTATION_FLAG}"
+    )
 
 
 class _Offloaded:
@@ -355,16 +419,24 @@ class _SaveMode(TorchDispatchMode):
             )
         self.offloaded: dict[int, tuple[_Offloaded, int]] = {}  # storage -> (entry, output)
         # storage -> (the op's entries, index, entry, whether it prefers to save)
-        self.saved: dict[int, tuple[list[Any], int, _Saved, bool]] = {}
+        self.saved: dict[int, tuple[list[Any], int, Any, bool]] = {}
+        #: (pack, unpack) of the remat region this one is nested in, set by the engine
+        #: before each forward: saved outputs are handed to it (:class:`_Passed`)
+        self.enclosing: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None
+        self.passed: list[_Passed] = []
 
     def __enter__(self) -> _SaveMode:
         self.offloaded = {}
         self.saved = {}
+        self.passed = []
         return super().__enter__()  # type: ignore[no-any-return]
 
     def __exit__(self, *exc: Any) -> None:
         entries, self.offloaded = list(self.offloaded.values()), {}
         self.saved = {}  # a change after the region is seen by the version counter
+        for p in self.passed:
+            p.release()
+        self.passed = []
         super().__exit__(*exc)
         for entry, _ in entries:  # outside the mode: nothing here is a forward operator
             entry.settle()
@@ -392,11 +464,15 @@ class _SaveMode(TorchDispatchMode):
             entries.append(_RECOMPUTE)
             return out
         if kind is _Kind.SAVE:
-            entry: Any = _Saved(out)
+            entry: Any
+            if self.enclosing is not None:
+                entry = _Passed(out, *self.enclosing)
+                self.passed.append(entry)
+            else:
+                entry = _Saved(out)
             watch = (entries, len(entries), entry, prefer)
-            for t in entry.tensors():
-                if t.layout is torch.strided and t.numel():
-                    self.saved[t.untyped_storage().data_ptr()] = watch
+            for ptr in entry.ptrs:
+                self.saved[ptr] = watch
         else:
             if self.store.stash is None:
                 self.store.stash = shared_stash()
@@ -433,16 +509,15 @@ class _SaveMode(TorchDispatchMode):
                     if saved is not None:
                         self._changed(*saved)
 
-    def _changed(self, entries: list[Any], index: int, entry: _Saved, prefer: bool) -> None:
+    def _changed(self, entries: list[Any], index: int, entry: Any, prefer: bool) -> None:
         """A saved output is about to be changed in place inside the region."""
         if not prefer:
             entry.written = True
             return
         if entries[index] is entry:  # recompute it: the saved value would be the changed one
             entries[index] = _RECOMPUTE
-        for t in entry.tensors():  # the entry's other outputs are no longer watched
-            if t.layout is torch.strided and t.numel():
-                self.saved.pop(t.untyped_storage().data_ptr(), None)
+        for ptr in entry.ptrs:  # the entry's other outputs are no longer watched
+            self.saved.pop(ptr, None)
 
 
 @functools.cache

@@ -48,8 +48,12 @@ span, in forward and in recompute: the span's slots then hold only the
 blocks' inputs, and each block's own checkpoint recomputes its activations
 from them when backward reaches it (so each block runs three times a step).
 ``inner="keep"`` runs the blocks plainly inside the span (one checkpoint
-over the whole span), ``inner="selective"`` runs each with a selective
-policy, ``inner="split"`` checkpoints each block and splits it.
+over the whole span), ``inner="split"`` checkpoints each block and splits it.
+``inner="selective"`` runs each block as a selective region: the outputs its
+policy saves are handed to the span (:func:`remat._nonreentrant.enclosing_region`),
+so in forward the span keeps only its input, and its recompute brings each block's
+input *and* saved outputs back, from which the blocks' own recomputes are served
+(each saved operator runs twice a step, the others three times).
 
 Region-input offload (``offload_inputs=True``, device only) keeps the span's
 input (the tensors among its first block's positional arguments; keyword
