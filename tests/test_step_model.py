@@ -27,7 +27,7 @@ from remat.bench.models import ModelConfig, build, example_input
 from remat.planner import auto
 from remat.planner.apply import apply_decision
 from remat.planner.auto import step_peaks
-from remat.planner.model import parse_budget, predicted_cost, predicted_peak
+from remat.planner.model import SPAN_INNER, parse_budget, predicted_cost, predicted_peak
 from remat.planner.solve import smallest_chain, solve_chain, solve_dp
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -650,8 +650,12 @@ def _layouts(n, decs):
             for rest in rec(i + 1):
                 yield [(i, i, d, False)] + rest
         for z in range(i + 1, n):
-            for rest in rec(z + 1):
-                yield [(i, z, "recompute", True)] + rest
+            for d in inner:
+                for rest in rec(z + 1):
+                    yield [(i, z, d, True)] + rest
+
+    # a span of kept or selective blocks is recomputed, so it needs 'recompute' measured
+    inner = [d for d in decs if d in SPAN_INNER and ("recompute" in decs or d == "split")]
 
     for lay in rec(0):
         ds = [d for a, z, d, _ in lay for _ in range(a, z + 1)]
@@ -780,7 +784,7 @@ def test_plan_apply_with_split_spans_is_predicted_exactly_and_keeps_gradients():
 
 def test_every_span_layout_of_a_small_chain_is_measured_as_predicted():
     # the brute-force grid with spans: every layout of 3 blocks (each block alone under keep,
-    # recompute or split, or in a span with inner recompute or split), applied by Plan.apply,
+    # recompute, selective or split, or in a span with any inner), applied by Plan.apply,
     # measured over the first and a later step with SGD momentum, grads None between steps
     from test_chain_solver import layouts
 
@@ -791,8 +795,7 @@ def test_every_span_layout_of_a_small_chain_is_measured_as_predicted():
     prof = remat.profile(probe, x, optimizer=sgd(probe), timer="flops")
     grid = list(layouts(prof.blocks, ("keep", "recompute", "selective", "split"), 3))
     inner = {ds[a] for ds, spans in grid for a, _ in spans}
-    # selective inside a span is not planned (it peaks above the same blocks without a span)
-    assert inner == {"keep", "recompute", "split"} and len(grid) > 60
+    assert inner == {"keep", "recompute", "selective", "split"} and len(grid) > 60
     wrong = []
     model = build(cfg)
     opt = sgd(model)

@@ -2,8 +2,9 @@
 
 A plan cuts the chain of blocks into *segments*: a block alone under a decision
 (``keep``, ``recompute``, ``selective``, ``offload``, ``split``) or a span of
-2..``max_span`` consecutive blocks checkpointed as one region, each block
-checkpointed inside it (``recompute`` or ``split``: two nesting levels). Every
+2..``max_span`` consecutive blocks checkpointed as one region, the blocks inside it
+plain (``keep``), checkpointed (``recompute``, ``split``: two nesting levels) or
+selective (``selective``: the policy's saved outputs handed to the span). Every
 activation term of a segment is ``term - s``, ``s`` the bytes the segments before
 it saved (:class:`~remat.planner.model.Segment`), so a segment is summed up by
 its ``peak``, ``saved`` and ``cost``, and a plan fits ``budget`` when every
@@ -33,7 +34,8 @@ Solving is two passes over the segment table:
 
 Both passes are vectorized over the states with ``torch`` tensors on the CPU
 (int64 bytes, float64 costs), so the Python work is per segment, not per state:
-about 0.1 s for 100 blocks with spans of up to 16 (see ``benchmarks/solve_time.py``).
+at most about 0.6 s for 100 blocks with spans of up to 16 on a 2-core machine (the
+slowest case of ``benchmarks/solve_time.py``, 2026-11-23, with selective spans).
 """
 
 from __future__ import annotations
@@ -137,6 +139,9 @@ def segment_table(
             if d == "keep":
                 _keep_spans(t, blocks, a, n, max_span, chained, w)
                 continue
+            if d == "selective":
+                _selective_spans(t, blocks, a, n, max_span, chained, w)
+                continue
             inner = 0  # sum_{a<=j<i} (retained[j][keep] - R_j): saved by the blocks alone
             kept = 0  # P_i = sum_{a<=j<i} R_j
             kept_prev = 0  # P_{i-1}
@@ -225,6 +230,56 @@ def _keep_spans(
         bwd = max(bwd, bi.bwd_start + bi.bwd_excess["keep"])
         kept_prev = kept
         kept += r
+
+
+def _selective_spans(
+    t: Segments,
+    blocks: Sequence[BlockCosts],
+    a: int,
+    n: int,
+    max_span: int,
+    chained: Sequence[bool] | None,
+    w: int,
+) -> None:
+    """The spans from block ``a`` with each block selective inside (``inner="selective"``),
+    with the numbers of :func:`~remat.planner.model.span_segment` by running sums."""
+    kept = 0  # sum_{a<=j<i} retained[j][keep]
+    inner = 0  # sum_{a<=j<=i} (retained[j][keep] - retained[j][selective])
+    fwd_bwd = NEVER  # the forward and backward terms of blocks a..i
+    restored = 0  # sum_{a<=j<i} retained[j][selective]
+    rec = NEVER  # max_{a<=j<=i} restored_j + fwd_excess[j][selective]
+    cost: float = 0  # sum_{a<=j<=i} cost[j][selective], then cost[j][recompute]
+    cost_r: float = 0
+    prev = 0  # retained[i - 1][recompute]
+    simp = 0
+    for i in range(a, min(n, a + max_span)):
+        bi = blocks[i]
+        if not {"selective", "recompute"} <= bi.retained.keys() & bi.cost.keys():
+            break
+        if i > a and chained is not None and not chained[i - 1]:
+            break
+        fwd_bwd = max(fwd_bwd, bi.fwd_start - kept + prev + bi.fwd_excess["selective"])
+        kept += bi.retained["keep"]
+        inner += bi.retained["keep"] - bi.retained["selective"]
+        fwd_bwd = max(fwd_bwd, bi.bwd_start - inner + bi.bwd_excess["selective"])
+        rec = max(rec, restored + bi.fwd_excess["selective"])
+        restored += bi.retained["selective"]
+        cost = cost + bi.cost["selective"]
+        cost_r = cost_r + bi.cost["recompute"]
+        prev = bi.retained["recompute"]
+        simp += simplicity(n, i, "selective")
+        if i > a:
+            saved = kept - prev
+            t.add(
+                a,
+                i,
+                "selective",
+                True,
+                max(fwd_bwd, bi.bwd_start - saved + rec),
+                saved,
+                float(cost + cost_r),
+                simp + SPAN_COMPLEXITY * w * (i - a + 1),
+            )
 
 
 def saved_range(t: Segments, n: int, budget: int) -> tuple[list[int], list[int]]:

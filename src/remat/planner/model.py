@@ -241,11 +241,11 @@ def predicted_peak(
 
 #: Decisions a block may take inside a span (the span's inner checkpointing of each block):
 #: ``keep`` is one checkpoint over the whole span (Chen et al.'s segments), ``recompute``
-#: and ``split`` checkpoint each block inside it as well (nested). ``selective`` inside a
-#: span is not planned: measured on a 3-block GPT, a span of selective blocks peaked higher
-#: than the same blocks selective without the span (904 KB against 815 KB: the span's
-#: recompute brings back whole blocks beside the matmul outputs the policy keeps).
-SPAN_INNER = ("keep", "recompute", "split")
+#: and ``split`` checkpoint each block inside it as well (nested), ``selective`` runs each
+#: block under the selective policy inside it: the policy's saved outputs are handed to the
+#: span (dropped in forward, brought back by its recompute), so until backward reaches the
+#: span only its input is kept, and from there its blocks are selective blocks.
+SPAN_INNER = ("keep", "recompute", "selective", "split")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,6 +299,8 @@ def span_segment(blocks: Sequence[BlockCosts], a: int, z: int, d: str) -> Segmen
     """
     if d == "keep":
         return _keep_span_segment(blocks, a, z)
+    if d == "selective":
+        return _selective_span_segment(blocks, a, z)
     peak, where = -(2**62), ""
     inner = 0  # what blocks a..i-1 under d alone would have saved
     for i in range(a, z + 1):
@@ -372,6 +374,58 @@ def _keep_span_segment(blocks: Sequence[BlockCosts], a: int, z: int) -> Segment:
     return Segment(a, z, "keep", True, peak, where, saved, float(cost))
 
 
+def _selective_span_segment(blocks: Sequence[BlockCosts], a: int, z: int) -> Segment:
+    """Blocks ``a..z`` as one checkpointed region, each a selective region inside it
+    (``inner="selective"``: the outputs the policy saves are handed to the span).
+
+    With ``K_j``, ``S_j``, ``R_j`` = ``retained[j]`` under ``keep``, ``selective`` and
+    ``recompute``: in forward a block holds its saved outputs until it returns and then
+    leaves only its output (``R_j``, as a recomputed block); backward of block ``z`` first
+    reruns blocks ``a..z`` under the policy (each brings back its input and its saved
+    outputs: ``S_j``), and from there the blocks are selective blocks. With ``s`` the bytes
+    saved before the span:
+
+    * forward of block ``i``: ``fwd_start[i] - s - sum_{a<=j<i} K_j + R_{i-1} +
+      fwd_excess[i][selective]`` (no ``R`` term for ``i = a``);
+    * recompute of block ``j`` (at block ``z``'s backward): ``bwd_start[z] - s - saved +
+      sum_{a<=k<j} S_k + fwd_excess[j][selective]``, ``j = a..z`` (block ``z`` runs up to
+      its last saved output: its whole forward is the bound);
+    * backward of block ``i``: as block ``i`` alone under ``selective``;
+    * it saves ``sum_{a<=j<=z} K_j - R_z`` and costs ``sum cost[j][selective]`` plus
+      blocks ``a..z`` once more (``cost[j][recompute]``).
+    """
+    peak, where = -(2**62), ""
+
+    def see(v: int, at: str) -> None:
+        nonlocal peak, where
+        if v > peak:
+            peak, where = v, at
+
+    kept = 0  # sum_{a<=j<i} K_j
+    inner = 0  # sum_{a<=j<=i} (K_j - S_j): what the blocks alone under selective save
+    for i in range(a, z + 1):
+        b = blocks[i]
+        prev = blocks[i - 1].retained["recompute"] if i > a else 0
+        see(b.fwd_start - kept + prev + b.fwd_excess["selective"], f"forward of {b.name!r}")
+        kept += b.retained["keep"]
+        inner += b.retained["keep"] - b.retained["selective"]
+        see(b.bwd_start - inner + b.bwd_excess["selective"], f"backward of {b.name!r}")
+    saved = kept - blocks[z].retained["recompute"]
+    base = blocks[z].bwd_start - saved
+    restored = 0
+    for j in range(a, z + 1):
+        b = blocks[j]
+        see(
+            base + restored + b.fwd_excess["selective"],
+            f"recompute of {b.name!r} in the span's backward",
+        )
+        restored += b.retained["selective"]
+    cost = sum(blocks[j].cost["selective"] for j in range(a, z + 1)) + sum(
+        blocks[j].cost["recompute"] for j in range(a, z + 1)
+    )
+    return Segment(a, z, "selective", True, peak, where, saved, float(cost))
+
+
 def layout(
     blocks: Sequence[BlockCosts], decisions: Sequence[str], spans: Sequence[Sequence[int]] = ()
 ) -> list[Segment]:
@@ -386,7 +440,8 @@ def layout(
             inner = {decisions[j] for j in range(i, z + 1)}
             if len(inner) != 1 or not inner <= set(SPAN_INNER):
                 raise ValueError(
-                    f"a span's blocks must all be 'keep', all 'recompute' or all 'split', got "
+                    "a span's blocks must all be 'keep', all 'recompute', all 'selective' or "
+                    f"all 'split', got "
                     f"{sorted(inner)} for blocks {i}..{z}; give the span's blocks one of these "
                     "decisions, or drop the span."
                 )
