@@ -55,6 +55,8 @@ try:
 except ImportError:  # older torch: inputs are kept by reference, versions checked by hand
     _make_saved = None
 
+_modes_on = torch._C._len_torch_dispatch_stack
+_no_python_dispatch = torch._C._DisableTorchDispatch
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 _graph_task_id = torch._C._current_graph_task_id
@@ -362,7 +364,14 @@ class _RecomputeHook:
         self.count = i + 1
         n = len(frame.holders)
         if x.requires_grad:
-            x = x.detach()
+            if type(x) is torch.Tensor and _modes_on():
+                # Not through the dispatch modes of the recompute (selective checkpointing's):
+                # a Python mode costs tens of microseconds an operator, and a plain
+                # tensor's detach is the same without it (an alias: no memory to count)
+                with _no_python_dispatch():
+                    x = x.detach()
+            else:
+                x = x.detach()
         if i >= n:
             if not frame.forward_completed or frame.debug:
                 # Backward ran inside the forward itself: nothing to compare. Or debug:
