@@ -257,6 +257,48 @@ def test_spans_join_only_chained_blocks():
     assert sp and all(all(chained[a:z]) for a, z in sp)
 
 
+def test_spans_never_hold_an_output_the_model_keeps_with_the_two_blocks_after_it():
+    # held[i]: the model keeps block i's output past block i + 1 (a U-Net skip): spans may
+    # end at i + 1 or start after i, never hold i, i + 1 and i + 2 together
+    blocks, top = random_chain(5, 6)
+    held = [False, True, False, True, False, False]
+    t = segment_table(blocks, DECS, 16, None, held)
+    for d in ("keep", "recompute", "selective", "split"):
+        spans = {(t.first[k], t.last[k]) for k in range(len(t.first)) if t.decision[k] == d}
+        spans = {(a, z) for a, z in spans if z > a}
+        allowed = {
+            (a, z)
+            for a in range(6)
+            for z in range(a + 1, 6)
+            if all(blocks[j].cost.get(d) is not None for j in range(a, z + 1))
+            and not any(held[j] for j in range(a, z - 1))
+        }
+        assert spans <= allowed, d
+        if d == "recompute":  # every block can be recomputed: exactly the allowed ones
+            assert spans == allowed and (1, 2) in spans and (1, 3) not in spans
+    for budget_frac in (0.2, 0.6):
+        ds, sp = smallest_chain(blocks, top, DECS, 16, None, held)
+        assert all(not any(held[j] for j in range(a, z - 1)) for a, z in sp)
+        lo = predicted_peak(blocks, top, ds, 0, sp)
+        hi = predicted_peak(blocks, top, ["keep"] * 6)
+        budget = int(lo + budget_frac * (hi - lo))
+        found = solve(blocks, top, budget, DECS, solver="chain", max_span=16, held=held)
+        assert found is not None
+        assert all(not any(held[j] for j in range(a, z - 1)) for a, z in found[1])
+        # the least cost among the layouts that respect held: brute force
+        plans = [
+            (ds2, sp2)
+            for ds2, sp2 in layouts(blocks, DECS, 16)
+            if all(not any(held[j] for j in range(a, z - 1)) for a, z in sp2)
+        ]
+        best = min(
+            predicted_cost(blocks, ds2, sp2)
+            for ds2, sp2 in plans
+            if predicted_peak(blocks, top, ds2, 0, sp2) <= budget
+        )
+        assert predicted_cost(blocks, *found) == pytest.approx(best, abs=1e-9)
+
+
 @pytest.mark.parametrize("limit", [1, 3])
 def test_too_many_states_in_the_second_stage_fall_back_to_a_least_cost_plan(monkeypatch, limit):
     import remat.planner.solve as solve_module

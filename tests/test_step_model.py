@@ -897,3 +897,36 @@ def test_a_plan_with_spans_is_measured_as_predicted():
     assert p.spans
     p.apply(model)
     assert remat.measure_peak(model, x) == p.predicted_peak_bytes <= p.budget_bytes
+
+
+def test_plan_per_block_costs_and_savings_add_up_with_selective_spans():
+    # Plan.added_cost and Plan.saved_bytes of every plan over random chains add up to the
+    # plan's predicted overhead and to what its segments save; some plans hold selective spans
+    from remat.planner.model import layout
+
+    seen = set()
+    for seed in range(12):
+        blocks, top = random_chain(seed, 6)
+        decs = ["keep", "recompute", "selective"]
+        prof = remat.Profile(
+            blocks=blocks,
+            top=top,
+            decisions=decs,
+            cost_unit="s",
+            input_shapes=[],
+            device="cpu",
+            torch_version=torch.__version__,
+            chained=[True] * 5,
+        )
+        lo = prof.floor_bytes
+        hi = prof.peak(["keep"] * 6).bytes
+        for frac in (0.0, 0.1, 0.3, 0.6):
+            p = remat.plan(prof, budget=int(lo + frac * (hi - lo)))
+            ds = list(p.decisions.values())
+            names = list(p.decisions)
+            spans = [(names.index(a), names.index(z)) for a, z in p.spans]
+            seen |= {ds[a] for a, _ in spans}
+            assert sum(p.added_cost.values()) == pytest.approx(p.predicted_overhead_s, abs=1e-9)
+            segs = layout(blocks, ds, spans)
+            assert sum(p.saved_bytes.values()) == sum(s.saved for s in segs)
+    assert "selective" in seen

@@ -177,10 +177,28 @@ class UNet(nn.Module):
         return b[5](torch.cat([d1, e1], 1))
 
 
+def test_profile_records_outputs_the_model_keeps_and_plans_no_span_over_them():
+    # the U-Net's encoder outputs e1, e2 (blocks 0, 1) and d2 (block 3) are kept by forward's
+    # own code past the next block: a span holding block i and the two after it would free
+    # what the model still uses, and refuse it at run time
+    torch.manual_seed(0)
+    model, x = UNet(), torch.randn(8, 3, 32, 32)
+    prof = remat.profile(model, x, optimizer=torch.optim.AdamW(model.parameters()), timer="flops")
+    assert prof.kept_outputs == [True, True, False, True, False, False]
+    assert prof.chained == [True, True, False, False, False]
+    p = remat.plan(prof, budget="72%")
+    assert p.spans  # a span the model accepts ([blocks.0, blocks.1] with FLOPs costs)
+    assert all(z - a < 2 for a, z in ([int(n[-1]) for n in s] for s in p.spans))
+    check_auto(UNet(), torch.randn(8, 3, 32, 32), budget="72%")  # met, bitwise
+
+
 def test_a_span_the_model_refuses_leaves_the_model_as_it_was():
-    # the plan's span over the U-Net's encoder (whose outputs the decoder keeps) raised the
-    # span's PlanError from auto_checkpoint's measuring step with the span left applied:
-    # every later forward of the user's model raised
+    # a span the model refuses at run time (here: a profile without the record of kept
+    # outputs plans one over the U-Net's encoder) raised the span's PlanError from
+    # auto_checkpoint's measuring step with the span left applied: every later forward of
+    # the user's model raised
+    import dataclasses
+
     from remat._spans import spans_in
     from remat._wrap import wrapping_state
 
@@ -188,8 +206,12 @@ def test_a_span_the_model_refuses_leaves_the_model_as_it_was():
     model, x = UNet(), torch.randn(8, 3, 32, 32)
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters())
+    prof = remat.profile(model, x, optimizer=opt, timer="flops")
+    blind = dataclasses.replace(prof, kept_outputs=[])
     with pytest.raises(remat.PlanError, match="refused the plan's span.*without spans"):
-        remat.auto_checkpoint(model, x, budget="72%", optimizer=opt, timer="flops", quiet=True)
+        remat.auto_checkpoint(
+            model, x, budget="72%", optimizer=opt, profile=blind, timer="flops", quiet=True
+        )
     assert not spans_in(model)
     assert all(not wrapping_state(m) for m in model.modules())
     torch.manual_seed(5)

@@ -110,17 +110,37 @@ class Segments:
         self.ending[z + 1].append(k)
 
 
+def joins(
+    chained: Sequence[bool] | None, held: Sequence[bool] | None, a: int, i: int
+) -> bool:
+    """Whether a span from block ``a`` may take in block ``i`` (after ``a..i-1``).
+
+    Not when block ``i`` does not receive block ``i - 1``'s output (``chained``), nor when
+    the model keeps block ``i - 2``'s output past block ``i - 1`` (``held``: a skip
+    connection, a list of hidden states) and ``i - 2`` is in the span: the span frees
+    what it passes from one block to the next, and refuses a model that keeps it.
+    """
+    if i == a:
+        return True
+    if chained is not None and not chained[i - 1]:
+        return False
+    return not (held is not None and i - 2 >= a and held[i - 2])
+
+
 def segment_table(
     blocks: Sequence[BlockCosts],
     allowed: Sequence[str],
     max_span: int,
     chained: Sequence[bool] | None = None,
+    held: Sequence[bool] | None = None,
 ) -> Segments:
     """Every block alone under each allowed decision and every span of 2..``max_span``
     blocks under each allowed inner decision, with the numbers of
     :func:`~remat.planner.model.block_segment` / :func:`~remat.planner.model.span_segment`
     (equal to them, float sums in the same order), in O(1) a span by running sums. A span
-    joins block ``i`` to block ``i + 1`` only where ``chained[i]`` (default: everywhere)."""
+    joins block ``i`` to block ``i + 1`` only where ``chained[i]`` (default: everywhere),
+    and holds blocks ``i``, ``i + 1`` and ``i + 2`` together only where not ``held[i]``
+    (the model keeps block ``i``'s output past the next block: see :func:`joins`)."""
     n = len(blocks)
     w = n * (n + 1) // 2 + 1
     opts = choices(blocks, allowed)
@@ -137,10 +157,10 @@ def segment_table(
             if d not in allowed or d not in opts[a]:
                 continue
             if d == "keep":
-                _keep_spans(t, blocks, a, n, max_span, chained, w)
+                _keep_spans(t, blocks, a, n, max_span, chained, held, w)
                 continue
             if d == "selective":
-                _selective_spans(t, blocks, a, n, max_span, chained, w)
+                _selective_spans(t, blocks, a, n, max_span, chained, held, w)
                 continue
             inner = 0  # sum_{a<=j<i} (retained[j][keep] - R_j): saved by the blocks alone
             kept = 0  # P_i = sum_{a<=j<i} R_j
@@ -151,7 +171,7 @@ def segment_table(
             cost_r: float = 0  # sum_{a<=j<i} cost[j][recompute]
             simp = 0
             for i in range(a, min(n, a + max_span)):
-                if d not in opts[i] or (i > a and chained is not None and not chained[i - 1]):
+                if d not in opts[i] or not joins(chained, held, a, i):
                     break
                 bi = blocks[i]
                 r = bi.retained[d]
@@ -187,6 +207,7 @@ def _keep_spans(
     n: int,
     max_span: int,
     chained: Sequence[bool] | None,
+    held: Sequence[bool] | None,
     w: int,
 ) -> None:
     """The spans from block ``a`` with the blocks plain inside (``inner="keep"``), with the
@@ -204,7 +225,7 @@ def _keep_spans(
         bi = blocks[i]
         if "recompute" not in bi.cost or "recompute" not in bi.retained:
             break
-        if i > a and chained is not None and not chained[i - 1]:
+        if not joins(chained, held, a, i):
             break
         r = bi.retained["recompute"]
         fwd_peak = max(fwd_peak, bi.fwd_start - inner - kept_prev + bi.fwd_excess["recompute"])
@@ -239,6 +260,7 @@ def _selective_spans(
     n: int,
     max_span: int,
     chained: Sequence[bool] | None,
+    held: Sequence[bool] | None,
     w: int,
 ) -> None:
     """The spans from block ``a`` with each block selective inside (``inner="selective"``),
@@ -256,7 +278,7 @@ def _selective_spans(
         bi = blocks[i]
         if not {"selective", "recompute"} <= bi.retained.keys() & bi.cost.keys():
             break
-        if i > a and chained is not None and not chained[i - 1]:
+        if not joins(chained, held, a, i):
             break
         fwd_bwd = max(fwd_bwd, bi.fwd_start - kept + prev + bi.fwd_excess["selective"])
         kept += bi.retained["keep"]

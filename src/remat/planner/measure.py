@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -68,6 +69,8 @@ from .state import (
 )
 from .timing import flop_costs, make_clock, time_blocks
 
+_log = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass
 class Profile:
@@ -101,6 +104,11 @@ class Profile:
         chained: for each block but the last, whether the next block received a tensor
             this one returned (no code of the model between them): the blocks a span
             may join. Empty (a profile from an older version): no spans.
+        kept_outputs: for each block, whether the model's own code still referenced its
+            output when the block after next started (a skip connection, a list of hidden
+            states): a span may not hold it and the two blocks after it together (it would
+            refuse the model at run time). Seen in one forward without gradients, where
+            only the model's code keeps tensors. Empty: not recorded (no such limit).
         scratch_bytes: the most memory one operator of the step's forward and backward
             allocates and frees before it returns, which the allocator counts and
             :mod:`remat.memory` cannot (:mod:`remat.planner.scratch`); plans keep the
@@ -128,6 +136,7 @@ class Profile:
     top_grads: int = 0
     chained: list[bool] = dataclasses.field(default_factory=list)
     scratch_bytes: int = 0
+    kept_outputs: list[bool] = dataclasses.field(default_factory=list)
 
     @property
     def static_step_bytes(self) -> int:
@@ -146,8 +155,16 @@ class Profile:
         """The smallest predicted step peak any plan reaches (absolute bytes of tensors):
         the smallest budget :func:`remat.plan` meets is this plus ``scratch_bytes``."""
         return self.peak(
-            *smallest_chain(self.blocks, self.top, self.decisions, 16, self.chained)
+            *smallest_chain(
+                self.blocks, self.top, self.decisions, 16, self.chained, self.kept or None
+            )
         ).bytes
+
+    @property
+    def kept(self) -> list[bool]:
+        """``kept_outputs`` when recorded for every block, else empty (no limit)."""
+        ok = len(self.kept_outputs) == len(self.blocks)
+        return list(self.kept_outputs) if ok else []
 
     def peak(self, decisions: Sequence[str], spans: Sequence[Sequence[int]] = ()) -> StepPeak:
         """The step model's peak for a plan: one decision per block and ``(first, last)``
@@ -345,6 +362,7 @@ def profile(
             for ch in count_handles:
                 ch.remove()
         calls.check(names)
+        kept_outputs = _kept_outputs(model, blocks, names, args, kwargs, state)
         # A block that changes its input in place cannot be recomputed from that input
         # (the region keeps it; autograd raises when backward reads it): it is kept, alone.
         mutating = calls.mutating
@@ -438,6 +456,7 @@ def profile(
         top_grads=keep_line.top_grads,
         chained=calls.chained,
         scratch_bytes=scratch,
+        kept_outputs=kept_outputs,
     )
     return agree_profile(prof) if agree else prof
 
@@ -596,6 +615,63 @@ def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
         return bool(sa.nbytes() and sa.data_ptr() == sb.data_ptr())  # empty ones share none
     except (RuntimeError, NotImplementedError):  # no storage (a tensor subclass)
         return False
+
+
+def _kept_outputs(
+    model: nn.Module,
+    blocks: dict[str, nn.Module],
+    names: Sequence[str],
+    args: Any,
+    kwargs: Any,
+    state: Any,
+) -> list[bool]:
+    """For each block, whether its output is still alive when the block after next starts,
+    in a forward without gradients (nothing but the model's own code keeps a tensor then;
+    see ``Profile.kept_outputs``). An output that a later block returns again, or a view of
+    it, is the later block's. All ``False`` when that forward fails."""
+    outs: list[list[weakref.ref[torch.Tensor]]] = [[] for _ in names]
+    kept = [False] * len(names)
+    index = {n: i for i, n in enumerate(names)}
+
+    def pre(name: str) -> Callable[..., None]:
+        def hook(module: Any, args: Any, kwargs: Any) -> None:
+            i = index[name]
+            j = i - 2
+            if j < 0:
+                return
+            alive = [t for r in outs[j] if (t := r()) is not None]
+            later = [t for r in outs[j + 1] if (t := r()) is not None]
+            later_args: list[torch.Tensor] = []
+            tensors_in((args, kwargs), later_args)
+            later += later_args
+            kept[j] = any(
+                not any(t is u or _shares_storage(t, u) for u in later) for t in alive
+            )
+
+        return hook
+
+    def post(name: str) -> Callable[..., None]:
+        def hook(module: Any, args: Any, kwargs: Any, out: Any) -> None:
+            got: list[torch.Tensor] = []
+            tensors_in(out, got)
+            outs[index[name]] = [weakref.ref(t) for t in got]
+
+        return hook
+
+    handles = [m.register_forward_pre_hook(pre(n), with_kwargs=True) for n, m in blocks.items()]
+    handles += [m.register_forward_hook(post(n), with_kwargs=True) for n, m in blocks.items()]
+    try:
+        state.reset_rng()
+        with torch.no_grad():
+            out = model(*args, **kwargs)
+        del out
+    except Exception:  # a model that needs gradients in forward: no limit recorded
+        _log.debug("remat.profile: the forward without gradients failed", exc_info=True)
+        return [False] * len(names)
+    finally:
+        for h in handles:
+            h.remove()
+    return kept
 
 
 class _CallCount:

@@ -217,10 +217,13 @@ def plan(
             per block, so it implies ``spans=False``. Without spans ``"auto"`` is
             milp when scipy is installed, else the per-block dynamic program.
         spans: also consider regions that span up to ``max_span`` consecutive
-            blocks, each block checkpointed inside (``recompute``) or split into
-            its children (``split``): this goes below the every-block floor, at
-            the cost of recomputing the span's blocks twice. Only blocks the model
-            calls back to back join a span (``Profile.chained``). ``None``
+            blocks, the blocks inside plain (``keep``), checkpointed (``recompute``),
+            selective (``selective``) or split into their children (``split``): this
+            goes below the every-block floor, at the cost of recomputing the span's
+            blocks once more. Only blocks the model calls back to back join a span
+            (``Profile.chained``), and a block whose output the model keeps past the
+            next block (a skip connection: ``Profile.kept_outputs``) is never in a
+            span with the two blocks after it. ``None
             (default): ``True``, unless ``solver="milp"``. ``False``: one decision
             per block. A span plan costs at most what the best per-block plan costs.
         max_span: the longest span considered (blocks).
@@ -265,7 +268,8 @@ def plan(
     chained = list(getattr(profile, "chained", []))
     if len(chained) != max(len(blocks) - 1, 0):  # not recorded: no spans
         chained = [False] * max(len(blocks) - 1, 0)
-    floor_ds, floor_spans = smallest_chain(blocks, profile.top, allowed, longest, chained)
+    held = list(getattr(profile, "kept", [])) or None
+    floor_ds, floor_spans = smallest_chain(blocks, profile.top, allowed, longest, chained, held)
     floor = profile.peak(floor_ds, floor_spans)
     if floor.bytes + scratch > budget_bytes:
         raise PlanError(_miss(budget_bytes, floor, unchecked, scratch))
@@ -278,19 +282,26 @@ def plan(
         solver=name,
         max_span=longest,
         chained=chained,
+        held=held,
     )
     if found is None:  # cannot happen when the floor fits; kept as a guard
         raise PlanError(_miss(budget_bytes, floor, unchecked, scratch))
     decisions, chosen_spans = found
     peak = profile.peak(decisions, chosen_spans)
     added = {b.name: float(b.cost[d]) for b, d in zip(blocks, decisions)}
-    for a, z in chosen_spans:  # the span's blocks but the last run once more
-        for j in range(a, z):
+    for a, z in chosen_spans:
+        # the span's recompute runs its blocks once more: all of them when they are plain
+        # or selective inside it, all but the last when each is checkpointed inside it
+        whole = decisions[a] in ("keep", "selective")
+        for j in range(a, z + 1 if whole else z):
             added[blocks[j].name] += float(blocks[j].cost.get("recompute", 0.0))
     saved = {b.name: b.retained["keep"] - b.retained[d] for b, d in zip(blocks, decisions)}
     for a, z in chosen_spans:  # block outputs inside a span are not kept either
         for j in range(a, z):
             saved[blocks[j].name] += blocks[j].retained[decisions[j]]
+        if decisions[a] in ("keep", "selective"):  # the last block leaves its output only
+            r = blocks[z].retained
+            saved[blocks[z].name] = r["keep"] - r["recompute"]
     return Plan(
         decisions={b.name: d for b, d in zip(blocks, decisions)},
         predicted_peak_bytes=peak.bytes,

@@ -67,6 +67,7 @@ def solve_chain(
     max_span: int = 16,
     cost_cap: float | None = None,
     chained: Sequence[bool] | None = None,
+    held: Sequence[bool] | None = None,
 ) -> tuple[list[str], list[tuple[int, int]]] | None:
     """Exact optimum over per-block decisions and spans of consecutive blocks.
 
@@ -75,12 +76,13 @@ def solve_chain(
     levels; heterogeneous costs and memory as in Beaumont et al. 2019, Rotor,
     arXiv:1911.13214). Without ``cost_cap``: a plan of the least cost; with it: the
     simplest plan whose cost is at most ``cost_cap``. Spans join block ``i`` to ``i + 1``
-    only where ``chained[i]`` (default: everywhere).
+    only where ``chained[i]`` (default: everywhere), and never hold blocks ``i..i+2``
+    where ``held[i]`` (:func:`~remat.planner.chain.joins`).
 
     Returns ``(decisions, spans)`` (spans as ``(first, last)`` indices), or ``None``.
     """
     n = len(blocks)
-    t = segment_table(blocks, allowed, max(1, max_span), chained)
+    t = segment_table(blocks, allowed, max(1, max_span), chained, held)
     ctg = cost_to_go(t, n, top, budget)
     if cost_cap is None:
         return None if ctg.least() is None else unpack(t, ctg.cheapest(t))
@@ -98,13 +100,14 @@ def solve(
     solver: str = "milp",
     max_span: int = 1,
     chained: Sequence[bool] | None = None,
+    held: Sequence[bool] | None = None,
 ) -> tuple[list[str], list[tuple[int, int]]] | None:
     """The simplest plan within ``tolerance`` of the least cost: ``(decisions, spans)``, or
     ``None`` when none fits. ``max_span > 1`` allows spans (solved by :func:`solve_chain`);
     otherwise ``solver`` picks the MILP or the per-block DP."""
     if max_span > 1 or solver == "chain":
         n = len(blocks)
-        t = segment_table(blocks, allowed, max(1, max_span), chained)
+        t = segment_table(blocks, allowed, max(1, max_span), chained, held)
         ctg = cost_to_go(t, n, top, budget)
         least = ctg.least()
         if least is None:
@@ -325,10 +328,12 @@ def smallest_chain(
     allowed: Sequence[str],
     max_span: int,
     chained: Sequence[bool] | None = None,
+    held: Sequence[bool] | None = None,
 ) -> tuple[list[str], list[tuple[int, int]]]:
-    """A plan (with spans up to ``max_span`` blocks, joining blocks only where ``chained``)
-    of the smallest predicted activation peak."""
-    t = segment_table(blocks, allowed, max(1, max_span), chained)
+    """A plan (with spans up to ``max_span`` blocks, joining blocks only where ``chained``
+    and ``held`` allow: :func:`~remat.planner.chain.joins`) of the smallest predicted
+    activation peak."""
+    t = segment_table(blocks, allowed, max(1, max_span), chained, held)
     return unpack(t, smallest(t, len(blocks), top))
 
 
