@@ -125,6 +125,37 @@ def _kind(policy: Any, func: Any) -> _Kind:
 
 
 @functools.cache
+def _answers(on_match: Any, otherwise: Any) -> tuple[_Kind, bool, _Kind, bool]:
+    """An :class:`OpPolicy`'s two answers as (kind, whether it prefers to save), each."""
+    return (
+        _kind(on_match, None),
+        on_match is CheckpointPolicy.PREFER_SAVE,
+        _kind(otherwise, None),
+        otherwise is CheckpointPolicy.PREFER_SAVE,
+    )
+
+
+#: OpPolicy objects made from op lists, by the ops (a list is made into one at every call)
+_LIST_POLICIES: dict[tuple[Any, ...], OpPolicy] = {}
+
+
+def _list_policy(ops: Sequence[Any]) -> OpPolicy:
+    key = tuple(ops)
+    try:
+        found = _LIST_POLICIES.get(key)
+    except TypeError:  # an unhashable entry: checked (and refused) below
+        found, key = None, ()
+    if found is None:
+        _check_ops(ops)
+        found = OpPolicy(ops)
+        if key:
+            if len(_LIST_POLICIES) >= 256:
+                _LIST_POLICIES.clear()
+            _LIST_POLICIES[key] = found
+    return found
+
+
+@functools.cache
 def _aliases_input(func: Any) -> bool:
     """Whether ``func`` returns a view of, or writes into, one of its inputs."""
     schema = getattr(func, "_schema", None)
@@ -410,13 +441,7 @@ class _SaveMode(TorchDispatchMode):
         # (ops, their kind, whether they prefer to save, the kind of the rest, ...)
         self.fast: tuple[frozenset[Any], _Kind, bool, _Kind, bool] | None = None
         if isinstance(policy, OpPolicy):
-            self.fast = (
-                policy.ops,
-                _kind(policy.on_match, None),
-                policy.on_match is CheckpointPolicy.PREFER_SAVE,
-                _kind(policy.otherwise, None),
-                policy.otherwise is CheckpointPolicy.PREFER_SAVE,
-            )
+            self.fast = (policy.ops, *_answers(policy.on_match, policy.otherwise))
         self.offloaded: dict[int, tuple[_Offloaded, int]] = {}  # storage -> (entry, output)
         # storage -> (the op's entries, index, entry, whether it prefers to save)
         self.saved: dict[int, tuple[list[Any], int, Any, bool]] = {}
@@ -432,11 +457,13 @@ class _SaveMode(TorchDispatchMode):
         return super().__enter__()  # type: ignore[no-any-return]
 
     def __exit__(self, *exc: Any) -> None:
-        entries, self.offloaded = list(self.offloaded.values()), {}
+        entries = list(self.offloaded.values()) if self.offloaded else ()
+        self.offloaded = {}
         self.saved = {}  # a change after the region is seen by the version counter
-        for p in self.passed:
-            p.release()
-        self.passed = []
+        if self.passed:
+            for p in self.passed:
+                p.release()
+            self.passed = []
         super().__exit__(*exc)
         for entry, _ in entries:  # outside the mode: nothing here is a forward operator
             entry.settle()
@@ -648,9 +675,11 @@ def create_selective_checkpoint_contexts(
         >>> y = remat.checkpoint(lambda a: torch.mm(a, w).sin(), x, context_fn=ctx_fn)
         >>> y.sum().backward()
     """
-    if isinstance(policy_fn_or_list, (list, tuple, set, frozenset)):
+    if isinstance(policy_fn_or_list, (list, tuple)):
+        policy: Callable[..., Any] = _list_policy(policy_fn_or_list)
+    elif isinstance(policy_fn_or_list, (set, frozenset)):
         _check_ops(policy_fn_or_list)
-        policy: Callable[..., Any] = OpPolicy(policy_fn_or_list)
+        policy = OpPolicy(policy_fn_or_list)
     elif callable(policy_fn_or_list):
         policy = policy_fn_or_list
     else:
