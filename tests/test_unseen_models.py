@@ -250,3 +250,40 @@ def test_a_block_returning_a_view_of_its_input_does_not_end_a_span():
     p = remat.plan(prof, prof.floor_bytes + prof.scratch_bytes)
     p.apply(model)
     assert remat.measure_peak(model, x, optimizer=opt) <= p.predicted_peak_bytes
+
+
+class ScalesItsInput(nn.Module):
+    """A forward that changes its input in place (``x /= 255``, as image models do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64)) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x /= 255.0
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_the_planner_gives_back_an_input_the_model_changes_in_place():
+    # every profiling and measuring step ran the model on the user's input: a forward that
+    # scales it in place left it scaled by 255**k, and later steps saw other values
+    model, x = ScalesItsInput(), torch.rand(256, 64) * 255
+    x0 = x.clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    prof = remat.profile(model, x, optimizer=opt, timer="flops")
+    assert torch.equal(x, x0)
+    first = remat.measure_peak(model, x, optimizer=opt)
+    assert torch.equal(x, x0)
+    assert remat.measure_peak(model, x, optimizer=opt) == first == prof.peak(["keep"] * 4).bytes
+    ref = copy.deepcopy(model)
+    remat.auto_checkpoint(model, x, budget="70%", optimizer=opt, timer="flops", quiet=True)
+    assert torch.equal(x, x0)
+    xa, xb = x0.clone(), x0.clone()
+    model(xa).sum().backward()
+    ref(xb).sum().backward()
+    assert torch.equal(xa, xb)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a.grad, b.grad)  # type: ignore[arg-type]

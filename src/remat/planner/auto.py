@@ -67,7 +67,7 @@ def step_peaks(
     inputs: list[torch.Tensor] = []
     tensors_in((args, kwargs), inputs)
     state = StepState(
-        model, [t for t in inputs if t.is_leaf and t.requires_grad], optimizer, device
+        model, [t for t in inputs if t.is_leaf and t.requires_grad], optimizer, device, inputs
     )
     peaks = []
     try:

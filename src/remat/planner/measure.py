@@ -314,7 +314,7 @@ def profile(
     tensors_in((args, kwargs), inputs)
     leaves = [t for t in inputs if t.is_leaf and t.requires_grad]
     wrapping = snapshot_state(blocks)
-    state = StepState(model, leaves, optimizer, device)
+    state = StepState(model, leaves, optimizer, device, inputs)
     params = state.grad_params
     step_costs: list[float] = []
     clock_now = time.thread_time if device.type == "cpu" and threads == 1 else time.perf_counter

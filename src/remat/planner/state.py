@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -115,6 +115,10 @@ class StepState:
         optimizer: also record its state, hyper-parameters and the parameter
             values (an ``optimizer.step()`` changes them).
         device: also record that device's RNG (CUDA).
+        tensors: every tensor among the step's inputs: those that need no gradient
+            (the data) are copied to host memory, and one the model changes in place
+            (``x /= 255`` in ``forward``) is put back before each step and at the end,
+            so every step sees the user's values and the user gets them back.
     """
 
     def __init__(
@@ -123,6 +127,7 @@ class StepState:
         inputs: list[torch.Tensor],
         optimizer: torch.optim.Optimizer | None,
         device: torch.device,
+        tensors: Sequence[torch.Tensor] = (),
     ) -> None:
         self.params = trainable(model, optimizer)
         views = bucket_view_params(model)
@@ -146,12 +151,31 @@ class StepState:
                 self.values = [p.detach().clone() for p in self.params]
         for t in self.leaves:
             t.grad = None
+        self.data: list[list[Any]] = []  # [tensor, version, host copy]
+        seen: set[int] = set()
+        with torch.no_grad():
+            for t in tensors:
+                if (
+                    type(t) is torch.Tensor
+                    and not t.requires_grad
+                    and t.layout is torch.strided
+                    and id(t) not in seen
+                ):
+                    seen.add(id(t))
+                    self.data.append([t, t._version, t.detach().to("cpu", copy=True)])
 
     def reset_rng(self) -> None:
-        """Put the RNG back where it was, for the next step."""
+        """Put the RNG, and any input the model changed in place, back where they were, for
+        the next step."""
         torch.set_rng_state(self.rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
+        for entry in self.data:
+            t, version, host = entry
+            if t._version != version:
+                with torch.no_grad():
+                    t.copy_(host)
+                entry[1] = t._version
 
     def fresh_optimizer_state(self) -> None:
         """Give the optimizer an empty state, as before its first step (restored later)."""
