@@ -77,6 +77,28 @@ def test_selective_blocks_of_grus_give_bitwise_gradients():
     assert "selective" in p.decisions.values()
 
 
+class _GRUChain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.GRU(16, 16, batch_first=True) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)[0]
+        return x
+
+
+def test_flops_cost_of_selective_counts_the_matmuls_the_policy_recomputes():
+    # nn.GRU's hidden-state addmm outputs are changed in place (unsafe_split chunks), so the
+    # planner's PREFER_SAVE policy recomputes them: one of the two addmm a step, half the
+    # block's FLOPs. The FLOPs cost of "selective" counted no matmul at all (0)
+    prof = remat.profile(_GRUChain(), torch.randn(4, 8, 16), timer="flops")
+    for b in prof.blocks:
+        assert b.cost["recompute"] == 8 * 2 * (2 * 4 * 16 * 48)  # 8 steps, 2 addmm each
+        assert b.cost["selective"] == b.cost["recompute"] / 2
+
+
 def test_auto_checkpoint_plans_blocks_that_relu_a_linear_output_in_place():
     # nn.ReLU(inplace=True) on a Linear's output changed the saved matmul output: the
     # profile's selective step raised CheckpointError out of auto_checkpoint

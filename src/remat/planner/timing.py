@@ -17,7 +17,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._selective import _RECOMPUTE
 from .._tree import tensors_in
 
 
@@ -129,12 +131,15 @@ def flop_costs(
     loss_fn: Any,
     decisions: Sequence[str],
 ) -> dict[str, dict[str, float]]:
-    """FLOPs each decision recomputes: the block's forward FLOPs outside the saved ops."""
-    from torch.utils.flop_counter import FlopCounterMode
+    """FLOPs each decision recomputes: the block's forward FLOPs (``recompute``), twice that
+    (``split``), and those of the operators the planner's selective policy does not serve
+    from its cache (``selective``: counted under the policy itself, so a matmul output it
+    recomputes because the block changes it in place, as ``nn.GRU`` does, counts)."""
+    from torch.utils.flop_counter import flop_registry
 
-    from ..policies import matmul_ops
+    from .._selective import create_selective_checkpoint_contexts
+    from ..policies import save_matmuls
 
-    saved = {op.overloadpacket for op in matmul_ops()}
     out: dict[str, dict[str, float]] = {d: {} for d in decisions}
     inputs: dict[str, Any] = {}
     handles = [
@@ -148,13 +153,16 @@ def flop_costs(
         for h in handles:
             h.remove()
     for n, m in blocks.items():
-        counter = FlopCounterMode(display=False)
-        with torch.no_grad(), counter:
+        save_mode, _ = create_selective_checkpoint_contexts(save_matmuls(prefer=True))
+        counter = _CallFlops(flop_registry)
+        with torch.no_grad(), save_mode, counter:  # the counter sees each call first
             block_args, block_kwargs = inputs[n]
             m(*block_args, **block_kwargs)
-        per_op = counter.get_flop_counts().get("Global", {})
-        total = float(sum(per_op.values()))
-        unsaved = float(sum(v for op, v in per_op.items() if op not in saved))
+        entries = save_mode.store.entries  # type: ignore[attr-defined]
+        total = float(sum(f for _, _, f in counter.calls))
+        unsaved = float(
+            sum(f for func, i, f in counter.calls if _entry(entries, func, i) is _RECOMPUTE)
+        )
         for d in decisions:
             out[d][n] = {
                 "keep": 0.0,
@@ -164,6 +172,32 @@ def flop_costs(
                 "split": 2 * total,  # the block again, then each child again for its backward
             }[d]
     return out
+
+
+def _entry(entries: dict[Any, list[Any]], func: Any, i: int) -> Any:
+    calls = entries.get(func, [])
+    return calls[i] if i < len(calls) else None
+
+
+class _CallFlops(TorchDispatchMode):
+    """Each operator call's FLOPs (torch's flop formulas), with its index among the calls of
+    that operator: ``(op, index, flops)``."""
+
+    def __init__(self, registry: dict[Any, Any]) -> None:
+        super().__init__()
+        self.registry = registry
+        self.calls: list[tuple[Any, int, float]] = []
+        self.counts: dict[Any, int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        i = self.counts.get(func, 0)
+        self.counts[func] = i + 1
+        count = self.registry.get(func.overloadpacket)
+        if count is not None:
+            self.calls.append((func, i, float(count(*args, **kwargs, out_val=out))))
+        return out
 
 
 class _InputGrab:
