@@ -26,6 +26,7 @@ import dataclasses
 import json
 import logging
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -662,7 +663,10 @@ def _kept_outputs(
     handles += [m.register_forward_hook(post(n), with_kwargs=True) for n, m in blocks.items()]
     try:
         state.reset_rng()
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            # a model that checkpoints inside with torch's reentrant variant warns that no
+            # input requires grad: true here, and not the user's concern
+            warnings.simplefilter("ignore")
             out = model(*args, **kwargs)
         del out
     except Exception:  # a model that needs gradients in forward: no limit recorded
