@@ -200,18 +200,54 @@ class UNet(nn.Module):
 
 
 def test_profile_records_outputs_the_model_keeps_and_plans_no_span_over_them():
-    # the U-Net's encoder outputs e1, e2 (blocks 0, 1) and d2 (block 3) are kept by forward's
-    # own code past the next block: a span holding block i and the two after it would free
-    # what the model still uses, and refuse it at run time
+    # the U-Net's encoder outputs e1, e2 (blocks 0, 1) are kept by forward's own code past
+    # the next block: a span holding block i and the two after it would free what the model
+    # still uses, and refuse it at run time
     torch.manual_seed(0)
     model, x = UNet(), torch.randn(8, 3, 32, 32)
     prof = remat.profile(model, x, optimizer=torch.optim.AdamW(model.parameters()), timer="flops")
-    assert prof.kept_outputs == [True, True, False, True, False, False]
+    assert prof.kept_outputs == [True, True, False, False, False, False]
     assert prof.chained == [True, True, False, False, False]
     p = remat.plan(prof, budget="72%")
     assert p.spans  # a span the model accepts ([blocks.0, blocks.1] with FLOPs costs)
     assert all(z - a < 2 for a, z in ([int(n[-1]) for n in s] for s in p.spans))
     check_auto(UNet(), torch.randn(8, 3, 32, 32), budget="72%")  # met, bitwise
+
+
+def test_outputs_a_model_collects_but_does_not_pass_on_do_not_limit_spans():
+    from remat._spans import apply_span
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            y = self.lin(x).tanh()
+            return y, y.sum(-1)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.layers = nn.ModuleList(Block() for _ in range(5))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            extras = []
+            for layer in self.layers:
+                x, extra = layer(x)
+                extras.append(extra)
+            return x.sum() + torch.stack(extras).sum()
+
+    model, x = Model(), torch.randn(32, 16)
+    prof = remat.profile(model, x, timer="flops")
+    assert prof.kept_outputs == [False] * 5 and all(prof.chained)
+    ref = copy.deepcopy(model)
+    apply_span(model, [f"layers.{i}" for i in range(5)], inner="recompute")  # not refused
+    model(x).backward()
+    ref(x).backward()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a.grad, b.grad)  # type: ignore[arg-type]
 
 
 def test_a_span_the_model_refuses_leaves_the_model_as_it_was():

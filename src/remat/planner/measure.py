@@ -626,25 +626,29 @@ def _kept_outputs(
     kwargs: Any,
     state: Any,
 ) -> list[bool]:
-    """For each block, whether its output is still alive when the block after next starts,
-    in a forward without gradients (nothing but the model's own code keeps a tensor then;
-    see ``Profile.kept_outputs``). An output that a later block returns again, or a view of
-    it, is the later block's. All ``False`` when that forward fails."""
+    """For each block, whether the output it passed to the next block is still alive when
+    the block after next starts, in a forward without gradients (nothing but the model's
+    own code keeps a tensor then; see ``Profile.kept_outputs``). Outputs the next block did
+    not receive (a cache the model collects) are not a span's to free; an output that a
+    later block returns again, or a view of it, is the later block's. All ``False`` when
+    that forward fails."""
     outs: list[list[weakref.ref[torch.Tensor]]] = [[] for _ in names]
+    passed: list[list[weakref.ref[torch.Tensor]]] = [[] for _ in names]
     kept = [False] * len(names)
     index = {n: i for i, n in enumerate(names)}
 
     def pre(name: str) -> Callable[..., None]:
         def hook(module: Any, args: Any, kwargs: Any) -> None:
             i = index[name]
+            got: list[torch.Tensor] = []
+            tensors_in((args, kwargs), got)
+            if i >= 1:  # what the block before handed to this one
+                passed[i - 1] = [r for r in outs[i - 1] if any(r() is t for t in got)]
             j = i - 2
             if j < 0:
                 return
-            alive = [t for r in outs[j] if (t := r()) is not None]
-            later = [t for r in outs[j + 1] if (t := r()) is not None]
-            later_args: list[torch.Tensor] = []
-            tensors_in((args, kwargs), later_args)
-            later += later_args
+            alive = [t for r in passed[j] if (t := r()) is not None]
+            later = [t for r in outs[j + 1] if (t := r()) is not None] + got
             kept[j] = any(
                 not any(t is u or _shares_storage(t, u) for u in later) for t in alive
             )
