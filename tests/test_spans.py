@@ -99,7 +99,7 @@ def test_span_recomputes_each_block_as_its_inner_says(inner, runs):
     assert len(calls) == runs
 
 
-@pytest.mark.parametrize("inner", ["keep", "recompute", "split"])
+@pytest.mark.parametrize("inner", INNERS)
 def test_batchnorm_running_stats_updated_once_per_step(inner):
     def steps(model):
         out = []
@@ -113,8 +113,12 @@ def test_batchnorm_running_stats_updated_once_per_step(inner):
 
     ref_grads, ref_state = steps(BNChain())
     model = BNChain()
+    policy = remat.policies.save_matmuls() if inner == "selective" else None
     apply_span(
-        model, [f"layers.{i}" for i in range(4)], inner=inner if inner != "split" else "keep"
+        model,
+        [f"layers.{i}" for i in range(4)],
+        inner=inner if inner != "split" else "keep",
+        policy=policy,
     )
     if inner == "split":
         remove_span(model, "layers.0")
@@ -143,7 +147,7 @@ def test_eval_between_forward_and_backward_does_not_change_the_recompute():
     assert_equal(grads(ref), grads(model))
 
 
-@pytest.mark.parametrize("inner", ["keep", "recompute", "split"])
+@pytest.mark.parametrize("inner", INNERS)
 def test_autocast_bfloat16_replayed_in_recompute(inner):
     def step(model):
         torch.manual_seed(0)
@@ -175,7 +179,7 @@ def test_rng_consumed_between_blocks_is_replayed_per_block():
     assert torch.equal(rng, rng2)
 
 
-@pytest.mark.parametrize("inner", ["keep", "recompute"])
+@pytest.mark.parametrize("inner", ["keep", "recompute", "selective"])
 def test_retain_graph_second_backward_and_autograd_grad(inner):
     torch.manual_seed(0)
     x = torch.randn(2, 8, 16, requires_grad=True)
