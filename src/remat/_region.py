@@ -69,8 +69,15 @@ class _Watched:
         for k, v in kwargs.items():
             self._add(f"argument '{k}'", v)
 
-    def _add(self, label: str, obj: Any) -> None:
+    def _add(self, label: str, obj: Any, depth: int = 0) -> None:
         if isinstance(obj, torch.Tensor):
+            return
+        if isinstance(obj, tuple) and depth < 4:
+            # A tuple cannot change, only what it holds: watch that. Holding the tuple
+            # would keep its tensors alive until backward, past where a span frees the
+            # ``(hidden, state)`` one block passes to the next.
+            for j, v in enumerate(obj[:32]):
+                self._add(f"{label}[{j}]", v, depth + 1)
             return
         fp = _fingerprint(obj)
         if fp is not None:  # a container or an object: it may gain tensors (an empty cache)

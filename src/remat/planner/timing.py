@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._selective import _RECOMPUTE
+from .._state import ForwardState
 from .._tree import tensors_in
 
 
@@ -147,7 +149,7 @@ def flop_costs(
         for n, m in blocks.items()
     ]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _quiet():
             model(*args, **kwargs)  # one forward records every block's inputs
     finally:
         for h in handles:
@@ -155,9 +157,13 @@ def flop_costs(
     for n, m in blocks.items():
         save_mode, _ = create_selective_checkpoint_contexts(save_matmuls(prefer=True))
         counter = _CallFlops(flop_registry)
-        with torch.no_grad(), save_mode, counter:  # the counter sees each call first
-            block_args, block_kwargs = inputs[n]
-            m(*block_args, **block_kwargs)
+        block_args, block_kwargs, state = inputs[n]
+        token = state.enter()  # the autocast (dtype, device) state the model called it under
+        try:
+            with torch.no_grad(), _quiet(), save_mode, counter:  # the counter sees calls first
+                m(*block_args, **block_kwargs)
+        finally:
+            state.exit(token)
         entries = save_mode.store.entries  # type: ignore[attr-defined]
         total = float(sum(f for _, _, f in counter.calls))
         unsaved = float(
@@ -172,6 +178,16 @@ def flop_costs(
                 "split": 2 * total,  # the block again, then each child again for its backward
             }[d]
     return out
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Warnings silenced: a model that checkpoints inside with torch's reentrant variant warns
+    that no input requires grad, true in these forwards without gradients and not the
+    user's concern."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
 
 
 def _entry(entries: dict[Any, list[Any]], func: Any, i: int) -> Any:
@@ -201,11 +217,15 @@ class _CallFlops(TorchDispatchMode):
 
 
 class _InputGrab:
-    """Forward pre-hook (``with_kwargs=True``) that keeps a block's first inputs, keywords too."""
+    """Forward pre-hook (``with_kwargs=True``) that keeps a block's first inputs, keywords too,
+    and the state the model called it under (autocast inside the model's forward, default
+    dtype and device: :class:`~remat._state.ForwardState`), to run the block alone as it ran."""
 
     def __init__(self, name: str, store: dict[str, Any]) -> None:
         self.name = name
         self.store = store
 
     def __call__(self, module: Any, args: Any, kwargs: Any) -> None:
-        self.store.setdefault(self.name, (args, dict(kwargs)))
+        if self.name not in self.store:
+            state = ForwardState([], preserve_rng_state=False)
+            self.store[self.name] = (args, dict(kwargs), state)
