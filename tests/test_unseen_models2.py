@@ -63,7 +63,7 @@ class ViT(nn.Module):
         return self.head(self.norm(x[:, 0]))
 
 
-@pytest.mark.parametrize("budget", ["45%", "75%"])
+@pytest.mark.parametrize("budget", [pytest.param("45%", marks=pytest.mark.slow), "75%"])
 def test_vit_with_cls_token_and_encoder_layers(budget):
     torch.manual_seed(0)
     check_auto(ViT(), torch.randn(8, 3, 16, 16), budget=budget, loss_fn=_class_loss)
@@ -122,7 +122,7 @@ class RotaryLM(nn.Module):
         return self.head(x)
 
 
-@pytest.mark.parametrize("budget", ["40%", "70%"])
+@pytest.mark.parametrize("budget", ["40%", pytest.param("70%", marks=pytest.mark.slow)])
 def test_blocks_with_a_mask_and_rotary_tables_as_keywords(budget):
     torch.manual_seed(0)
     pad = torch.ones(8, 64, dtype=torch.bool)
@@ -158,7 +158,7 @@ class LSTMStack(nn.Module):
         return self.head(x)
 
 
-@pytest.mark.parametrize("budget", ["50%", "75%"])
+@pytest.mark.parametrize("budget", ["50%", pytest.param("75%", marks=pytest.mark.slow)])
 def test_lstm_stack(budget):
     torch.manual_seed(0)
     check_auto(LSTMStack(), _tokens(), budget=budget, loss_fn=_token_loss)
@@ -186,7 +186,7 @@ def _tcn() -> nn.Module:
     )
 
 
-@pytest.mark.parametrize("budget", ["50%", "70%"])
+@pytest.mark.parametrize("budget", ["50%", pytest.param("70%", marks=pytest.mark.slow)])
 def test_conv1d_temporal_net(budget):
     torch.manual_seed(0)
     check_auto(_tcn(), torch.randn(8, 8, 64), budget=budget)
@@ -234,7 +234,7 @@ class MoEModel(nn.Module):
         return self.head(x)
 
 
-@pytest.mark.parametrize("budget", ["60%", "75%"])
+@pytest.mark.parametrize("budget", ["60%", pytest.param("75%", marks=pytest.mark.slow)])
 def test_mixture_of_experts_with_top1_routing(budget):
     torch.manual_seed(0)
     check_auto(MoEModel(), _tokens(shape=(8, 16)), budget=budget, loss_fn=_token_loss)
@@ -260,7 +260,7 @@ class TiedLM(nn.Module):
         return self.head(self.blocks(self.emb(idx)))
 
 
-@pytest.mark.parametrize("budget", ["60%", "75%"])
+@pytest.mark.parametrize("budget", ["60%", pytest.param("75%", marks=pytest.mark.slow)])
 def test_tied_embedding_and_head(budget):
     torch.manual_seed(0)
     check_auto(TiedLM(), _tokens(shape=(8, 16)), budget=budget, loss_fn=_token_loss)
@@ -309,7 +309,7 @@ class MobileNet(nn.Module):
         return self.head(x.mean((2, 3)))
 
 
-@pytest.mark.parametrize("budget", ["40%", "75%"])
+@pytest.mark.parametrize("budget", ["40%", pytest.param("75%", marks=pytest.mark.slow)])
 def test_batchnorm_se_depthwise_cnn_in_train_mode(budget):
     torch.manual_seed(0)
     p = check_auto(MobileNet(), torch.randn(8, 3, 16, 16), budget=budget, loss_fn=_class_loss)
@@ -356,7 +356,7 @@ class TupleBlock(nn.Module):
         return x + torch.sigmoid(self.gate(h)) * h, h
 
 
-@pytest.mark.parametrize("budget", ["60%", "75%"])
+@pytest.mark.parametrize("budget", ["60%", pytest.param("75%", marks=pytest.mark.slow)])
 def test_a_model_returning_a_dict(budget):
     torch.manual_seed(0)
     check_auto(
@@ -413,7 +413,7 @@ class AutocastMLP(nn.Module):
             return self.head(x)
 
 
-@pytest.mark.parametrize("budget", ["40%", "70%"])
+@pytest.mark.parametrize("budget", ["40%", pytest.param("70%", marks=pytest.mark.slow)])
 def test_autocast_bfloat16_inside_forward(budget):
     torch.manual_seed(0)
     check_auto(AutocastMLP(), torch.randn(256, 32), budget=budget, loss_fn=_class_loss)
@@ -470,7 +470,7 @@ def check_auto_with(
     return p
 
 
-@pytest.mark.parametrize("budget", ["50%", "70%"])
+@pytest.mark.parametrize("budget", ["50%", pytest.param("70%", marks=pytest.mark.slow)])
 def test_gradient_accumulation_loop_keeps_gradients(budget):
     torch.manual_seed(0)
     p = check_auto_with(
@@ -500,7 +500,7 @@ class Towers(nn.Module):
         return (self.towers["text"](a) * self.towers["image"](b)).sum(-1)
 
 
-@pytest.mark.parametrize("budget", ["50%", "70%"])
+@pytest.mark.parametrize("budget", ["50%", pytest.param("70%", marks=pytest.mark.slow)])
 def test_blocks_in_a_sequential_inside_a_moduledict(budget):
     torch.manual_seed(0)
     p = check_auto(Towers(), torch.randn(128, 32), torch.randn(128, 32), budget=budget)
@@ -580,7 +580,7 @@ class SDPAModel(nn.Module):
         return self.head(x)
 
 
-@pytest.mark.parametrize("budget", ["40%", "70%"])
+@pytest.mark.parametrize("budget", ["40%", pytest.param("70%", marks=pytest.mark.slow)])
 def test_sdpa_with_attention_dropout(budget):
     torch.manual_seed(0)
     check_auto(SDPAModel(), _tokens(shape=(4, 32)), budget=budget, loss_fn=_token_loss)
