@@ -135,6 +135,30 @@ def test_apply_default_wraps_children_of_largest_container_every_nth():
     assert "inp" in names and "layers.0.fc" in names and "head.0" in names
 
 
+def test_default_blocks_are_the_repeated_ones_not_the_longest_container():
+    # four blocks of five layers each: the longest container is one block's own layers, the
+    # repeated blocks are the four (found by the swept unseen models: plans of blocks.0.*)
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(
+                nn.Sequential(
+                    nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                    nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4),
+                )  # fmt: skip
+                for _ in range(4)
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for b in self.blocks:
+                x = x + b(x)
+            return x
+
+    assert remat.apply_activation_checkpointing(Stack()) == [f"blocks.{i}" for i in range(4)]
+    prof = remat.profile(Stack(), torch.randn(2, 4, 8, 8), timer="flops")
+    assert [b.name for b in prof.blocks] == [f"blocks.{i}" for i in range(4)]
+
+
 @pytest.mark.parametrize("every", [0, -1, 1.5, True])
 def test_apply_rejects_bad_every(every):
     with pytest.raises(ValueError, match="every must be an int >= 1"):

@@ -21,22 +21,36 @@ from ._tree import tensors_in
 
 
 def default_blocks(model: nn.Module) -> list[str]:
-    """Names of the children of the model's largest ``ModuleList``/``Sequential``.
+    """Names of the model's repeated blocks: the children of its ``ModuleList``/``Sequential``
+    with the most children of one class (then the most children; then the first).
+
+    The repeated blocks, not merely the longest container: in a ``ModuleList`` of four
+    ``Sequential(conv, bn, relu, conv, bn)`` blocks the four blocks are the candidates, not
+    the five layers of the first one.
 
     Example:
         >>> import torch
         >>> default_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()))
         ['0', '1']
+        >>> def layer():  # five children, three of one class
+        ...     L, R = torch.nn.Linear, torch.nn.ReLU
+        ...     return torch.nn.Sequential(L(2, 2), R(), L(2, 2), R(), L(2, 2))
+        >>> default_blocks(torch.nn.ModuleList([layer() for _ in range(4)]))
+        ['0', '1', '2', '3']
     """
-    best: tuple[int, str] | None = None
+    best: tuple[int, int, str] | None = None
     for name, m in model.named_modules():
         if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 0:
-            if best is None or len(m) > best[0]:
-                best = (len(m), name)
+            kinds: dict[type, int] = {}
+            for child in m.children():
+                kinds[type(child)] = kinds.get(type(child), 0) + 1
+            score = (max(kinds.values(), default=0), len(m))
+            if best is None or score > best[:2]:
+                best = (*score, name)
     if best is None:
         return []
-    prefix = best[1] + "." if best[1] else ""
-    container = model.get_submodule(best[1]) if best[1] else model
+    prefix = best[2] + "." if best[2] else ""
+    container = model.get_submodule(best[2]) if best[2] else model
     return [prefix + child for child, _ in container.named_children()]
 
 
