@@ -352,6 +352,7 @@ def profile(
     keep_step = 0.0
     opt_terms = (0, 0, 0)
     mutating: set[str] = set()
+    freed = [0] * len(names)
     try:
         calls = _CallCount(names)
         count_handles = [
@@ -382,6 +383,7 @@ def profile(
                     apply_decision(m, "recompute" if d == "split" and n not in splittable else d)
             clear_grads()
             # Memory: bytes do not depend on threads, so this step runs at full speed.
+            frees = _InputFrees(model, names, blocks) if d == "keep" else None
             with memory.track(counted) as tracker:
                 tracker.watch(storages)
                 watch = _Windows(tracker, names, blocks, params if set_to_none else [], counted)
@@ -389,6 +391,10 @@ def profile(
                     step(watch)
                 finally:
                     watch.remove()
+                    if frees is not None:
+                        frees.remove()
+            if frees is not None:
+                freed = frees.freed
             lines[d] = watch.line
             if d == "keep" and optimizer is not None:  # on this step's gradients
                 opt_terms = _optimizer_terms(state, optimizer, counted)
@@ -419,6 +425,14 @@ def profile(
         keep_line.input_bytes,
         [storage_bytes([*m.parameters(), *m.buffers()], counted) for m in blocks.values()],
     )
+    for b, f in zip(costs, freed):
+        # The next block (kept) frees this one's output as it runs, which the selective
+        # cache may hold instead (a block ending in a saved matmul): counted as held, so a
+        # selective block is never predicted low (over by ``f`` where nothing frees it).
+        if f and "selective" in b.retained:
+            b.retained["selective"] += f
+            if b.bwd_excess["selective"] > -(2**62):  # a backward window was seen
+                b.bwd_excess["selective"] -= f  # its own backward: as measured
     for b in costs:
         dropped = [d for d in decisions if d != "keep"] if b.name in mutating else ["split"]
         if b.name in mutating or b.name not in splittable:
@@ -616,6 +630,87 @@ def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
         return bool(sa.nbytes() and sa.data_ptr() == sb.data_ptr())  # empty ones share none
     except (RuntimeError, NotImplementedError):  # no storage (a tensor subclass)
         return False
+
+
+class _InputFrees:
+    """For the step under ``keep``: the bytes of each block's output that die while the next
+    block runs (the next block saves none of it and nothing else holds it), and for the last
+    block by the end of the model's forward (the head saves none of it).
+
+    The step model adds each block's bytes at its own decision, so a free that happens only
+    because the block before does not hold its output is a pair effect: under ``selective``
+    the block's cache can hold that output (:func:`profile` counts it as held)."""
+
+    def __init__(self, model: nn.Module, names: Sequence[str], blocks: dict[str, nn.Module]):
+        n = len(names)
+        self.freed = [0] * n
+        self.outs: list[list[weakref.ref[torch.Tensor]]] = [[] for _ in range(n)]
+        self.passed: list[list[tuple[weakref.ref[torch.Tensor], int]]] = [[] for _ in range(n)]
+        index = {name: i for i, name in enumerate(names)}
+        self.handles = []
+        for name, m in blocks.items():
+            i = index[name]
+            self.handles.append(m.register_forward_pre_hook(self._pre(i), with_kwargs=True))
+            self.handles.append(m.register_forward_hook(self._post(i)))
+        self.handles.append(model.register_forward_hook(self._end(n - 1)))
+
+    # Read when the block after next starts (the model's loop variable has moved on by
+    # then; a hook of the next block itself still sees its arguments alive).
+    def _pre(self, i: int) -> Callable[..., None]:
+        def hook(module: Any, args: Any, kwargs: Any) -> None:
+            if i == 0 or is_recomputing():
+                return
+            got: list[torch.Tensor] = []
+            tensors_in((args, kwargs), got)
+            self.passed[i - 1] = _sizes([r for r in self.outs[i - 1] if any(r() is t for t in got)])
+            if i >= 2:
+                self.freed[i - 2] = _dead(self.passed[i - 2])
+
+        return hook
+
+    def _post(self, i: int) -> Callable[..., None]:
+        def hook(module: Any, args: Any, out: Any) -> None:
+            if is_recomputing():
+                return
+            got: list[torch.Tensor] = []
+            tensors_in(out, got)
+            self.outs[i] = [weakref.ref(t) for t in got]
+
+        return hook
+
+    def _end(self, last: int) -> Callable[..., None]:
+        def hook(module: Any, args: Any, out: Any) -> None:
+            if last >= 1:
+                self.freed[last - 1] = _dead(self.passed[last - 1])
+            self.freed[last] = _dead(_sizes(self.outs[last]))
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _dead(sized: list[tuple[weakref.ref[torch.Tensor], int]]) -> int:
+    return sum(b for r, b in sized if r() is None)
+
+
+def _sizes(refs: list[weakref.ref[torch.Tensor]]) -> list[tuple[weakref.ref[torch.Tensor], int]]:
+    """Each live tensor's storage bytes, each storage once."""
+    out, seen = [], set()
+    for r in refs:
+        t = r()
+        if t is None:
+            continue
+        try:
+            st = t.untyped_storage()
+            key, nbytes = st.data_ptr(), st.nbytes()
+        except (RuntimeError, NotImplementedError):  # no storage (a tensor subclass)
+            continue
+        if nbytes and key not in seen:
+            seen.add(key)
+            out.append((r, nbytes))
+    return out
 
 
 def _kept_outputs(
