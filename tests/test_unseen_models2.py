@@ -584,3 +584,18 @@ class SDPAModel(nn.Module):
 def test_sdpa_with_attention_dropout(budget):
     torch.manual_seed(0)
     check_auto(SDPAModel(), _tokens(shape=(4, 32)), budget=budget, loss_fn=_token_loss)
+
+
+def test_dropout_first_blocks_with_selective_neighbours_stay_within_budget():
+    # a kept block that starts with dropout saves none of its input, so under keep the
+    # block before's output dies inside it, while a selective block before it holds that
+    # output in its cache: the (selective, keep) pair was predicted one output low
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[
+            nn.Sequential(nn.Dropout(0.1), nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+            for _ in range(5)
+        ]
+    )
+    p = check_auto(model, torch.randn(512, 64), budget="50%")
+    assert "selective" in p.decisions.values()
