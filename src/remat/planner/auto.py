@@ -343,9 +343,10 @@ def auto_checkpoint(
         goal -= measured + scratch - target
         if not quiet:
             log.warning(
-                "remat.auto_checkpoint: measured peak %d B is over the budget %d B; planning "
-                "again for %d B.",
+                "remat.auto_checkpoint: measured peak %d B (plus %d B scratch inside "
+                "operators) is over the budget %d B; planning again for %d B.",
                 measured,
+                scratch,
                 target,
                 goal,
             )
