@@ -28,6 +28,7 @@ Side effects in recompute
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -62,22 +63,36 @@ class _Watched:
 
     __slots__ = ("items",)
 
-    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any], copied: bool) -> None:
         self.items: list[tuple[str, Any, Any]] = []
         for i, a in enumerate(args):
-            self._add(f"argument {i}", a)
+            self._add(f"argument {i}", a, copied)
         for k, v in kwargs.items():
-            self._add(f"argument '{k}'", v)
+            self._add(f"argument '{k}'", v, copied)
 
-    def _add(self, label: str, obj: Any, depth: int = 0) -> None:
+    def _add(self, label: str, obj: Any, copied: bool, depth: int = 0) -> None:
         if isinstance(obj, torch.Tensor):
             return
-        if isinstance(obj, tuple) and depth < 4:
-            # A tuple cannot change, only what it holds: watch that. Holding the tuple
-            # would keep its tensors alive until backward, past where a span frees the
-            # ``(hidden, state)`` one block passes to the next.
-            for j, v in enumerate(obj[:32]):
-                self._add(f"{label}[{j}]", v, depth + 1)
+        items: Any = None
+        if depth < 4:
+            if isinstance(obj, tuple):
+                # A tuple cannot change, only what it holds: watch that. Holding the tuple
+                # would keep its tensors alive until backward, past where a span frees the
+                # ``(hidden, state)`` one block passes to the next.
+                items = enumerate(obj[:32])
+            elif copied and isinstance(obj, list):
+                # The recompute gets a copy of a list, dict or dataclass as it was when the
+                # forward started (the non-reentrant engine and spans rebuild them), so it
+                # cannot change the caller's: watch the objects inside, which it shares.
+                # Held, a ``[hidden, state]`` passed between span blocks stayed alive.
+                items = enumerate(obj[:32])
+            elif copied and isinstance(obj, dict):
+                items = ((repr(k), v) for k, v in list(obj.items())[:32])
+            elif copied and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+                items = ((f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init)
+        if items is not None:
+            for j, v in items:
+                self._add(f"{label}[{j}]", v, copied, depth + 1)
             return
         fp = _fingerprint(obj)
         if fp is not None:  # a container or an object: it may gain tensors (an empty cache)
@@ -110,8 +125,15 @@ class Region:
     __slots__ = ("module", "forward", "snapshot", "modes", "watched")
 
     def __init__(
-        self, module: nn.Module, forward: Callable[..., Any], args: Any, kwargs: Any
+        self,
+        module: nn.Module,
+        forward: Callable[..., Any],
+        args: Any,
+        kwargs: Any,
+        copied: bool = True,
     ) -> None:
+        """``copied``: the recompute gets copies of list, dict and dataclass arguments
+        (non-reentrant and spans; the reentrant engine passes the caller's own)."""
         self.module = module
         self.forward = forward
         # Buffers by owner and name, with the tensor and a copy of its value: a forward
@@ -134,7 +156,7 @@ class Region:
                         snapshot.append((m, name, b, value))
         if snapshot:
             self.snapshot = snapshot
-        self.watched = _Watched(args, kwargs)
+        self.watched = _Watched(args, kwargs, copied)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not _config.is_recomputing():

@@ -129,7 +129,7 @@ class _CheckpointedForward:
 
             with offload():
                 return forward(*args, **kwargs)
-        region = Region(module, forward, args, kwargs)
+        region = Region(module, forward, args, kwargs, copied=not opts.use_reentrant)
         context_fn = opts.context_fn
         if opts.policy is not None:
             from ._selective import create_selective_checkpoint_contexts
