@@ -104,6 +104,7 @@ def agree_max_float(values: Sequence[float]) -> list[float]:
 _INT_FIELDS = (
     "top", "pre", "static_bytes", "grad_bytes", "optimizer_state_bytes",
     "optimizer_first_bytes", "optimizer_later_bytes", "end_bytes", "end_grads", "top_grads", "scratch_bytes",
+    "shared_bytes",
 )  # fmt: skip
 _BLOCK_INTS = ("fwd_start", "bwd_start", "input_bytes", "param_bytes", "bwd_grads")
 _BLOCK_INT_DICTS = ("retained", "fwd_excess", "bwd_excess")

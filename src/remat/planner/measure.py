@@ -53,6 +53,7 @@ from .model import (
     BlockCosts,
     StepPeak,
     Timeline,
+    checkpointed_view,
     derive_blocks,
     equalize_costs,
     step_peak,
@@ -110,6 +111,10 @@ class Profile:
             states): a span may not hold it and the two blocks after it together (it would
             refuse the model at run time). Seen in one forward without gradients, where
             only the model's code keeps tensors. Empty: not recorded (no such limit).
+        shared_bytes: tensors the model's forward makes and passes to several blocks (an
+            attention mask, rotary tables) that die when the forward returns with every
+            block kept; a checkpointed block keeps them until its backward
+            (:func:`~remat.planner.model.checkpointed_view`).
         scratch_bytes: the most memory one operator of the step's forward and backward
             allocates and frees before it returns, which the allocator counts and
             :mod:`remat.memory` cannot (:mod:`remat.planner.scratch`); plans keep the
@@ -138,6 +143,7 @@ class Profile:
     chained: list[bool] = dataclasses.field(default_factory=list)
     scratch_bytes: int = 0
     kept_outputs: list[bool] = dataclasses.field(default_factory=list)
+    shared_bytes: int = 0
 
     @property
     def static_step_bytes(self) -> int:
@@ -155,11 +161,13 @@ class Profile:
     def floor_bytes(self) -> int:
         """The smallest predicted step peak any plan reaches (absolute bytes of tensors):
         the smallest budget :func:`remat.plan` meets is this plus ``scratch_bytes``."""
-        return self.peak(
-            *smallest_chain(
-                self.blocks, self.top, self.decisions, 16, self.chained, self.kept or None
-            )
+        blocks, top = self.blocks, self.top
+        if self.shared_bytes:
+            blocks, top = checkpointed_view(blocks, top, self.shared_bytes)
+        floor = self.peak(
+            *smallest_chain(blocks, top, self.decisions, 16, self.chained, self.kept or None)
         ).bytes
+        return min(floor, self.peak(["keep"] * len(blocks)).bytes)
 
     @property
     def kept(self) -> list[bool]:
@@ -353,6 +361,7 @@ def profile(
     opt_terms = (0, 0, 0)
     mutating: set[str] = set()
     freed = [0] * len(names)
+    shared = 0
     try:
         calls = _CallCount(names)
         count_handles = [
@@ -383,7 +392,7 @@ def profile(
                     apply_decision(m, "recompute" if d == "split" and n not in splittable else d)
             clear_grads()
             # Memory: bytes do not depend on threads, so this step runs at full speed.
-            frees = _InputFrees(model, names, blocks) if d == "keep" else None
+            frees = _InputFrees(model, names, blocks, inputs) if d == "keep" else None
             with memory.track(counted) as tracker:
                 tracker.watch(storages)
                 watch = _Windows(tracker, names, blocks, params if set_to_none else [], counted)
@@ -394,7 +403,7 @@ def profile(
                     if frees is not None:
                         frees.remove()
             if frees is not None:
-                freed = frees.freed
+                freed, shared = frees.freed, frees.shared
             lines[d] = watch.line
             if d == "keep" and optimizer is not None:  # on this step's gradients
                 opt_terms = _optimizer_terms(state, optimizer, counted)
@@ -472,6 +481,7 @@ def profile(
         chained=calls.chained,
         scratch_bytes=scratch,
         kept_outputs=kept_outputs,
+        shared_bytes=shared,
     )
     return agree_profile(prof) if agree else prof
 
@@ -641,9 +651,24 @@ class _InputFrees:
     because the block before does not hold its output is a pair effect: under ``selective``
     the block's cache can hold that output (:func:`profile` counts it as held)."""
 
-    def __init__(self, model: nn.Module, names: Sequence[str], blocks: dict[str, nn.Module]):
+    def __init__(
+        self,
+        model: nn.Module,
+        names: Sequence[str],
+        blocks: dict[str, nn.Module],
+        inputs: Sequence[torch.Tensor],
+    ):
         n = len(names)
         self.freed = [0] * n
+        # tensors passed to two or more blocks that the model's forward made (not its
+        # inputs, parameters or buffers, nor what one block passes to the next)
+        self.outside = {id(t) for t in inputs}
+        self.outside |= {id(t) for t in model.parameters()} | {id(t) for t in model.buffers()}
+        self.args: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}  # id -> (ref, blocks)
+        self.arg_sizes: dict[int, list[tuple[weakref.ref[torch.Tensor], int]]] = {}
+        self.out_sizes: list[tuple[weakref.ref[torch.Tensor], int]] = []  # the last block's
+        self.last = n - 1
+        self.shared = 0
         self.outs: list[list[weakref.ref[torch.Tensor]]] = [[] for _ in range(n)]
         self.passed: list[list[tuple[weakref.ref[torch.Tensor], int]]] = [[] for _ in range(n)]
         index = {name: i for i, name in enumerate(names)}
@@ -662,11 +687,23 @@ class _InputFrees:
                 return
             got: list[torch.Tensor] = []
             tensors_in((args, kwargs), got)
+            self._seen(got, i)
             self.passed[i - 1] = _sizes([r for r in self.outs[i - 1] if any(r() is t for t in got)])
             if i >= 2:
                 self.freed[i - 2] = _dead(self.passed[i - 2])
 
         return hook
+
+    def _seen(self, got: list[torch.Tensor], i: int) -> None:
+        prev = {id(t) for r in self.outs[i - 1] if (t := r()) is not None} if i else set()
+        for t in got:
+            if id(t) in self.outside or id(t) in prev:
+                continue
+            ref, count = self.args.get(id(t), (None, 0))
+            if ref is None or ref() is not t:
+                ref, count = weakref.ref(t), 0
+                self.arg_sizes[id(t)] = _sizes([ref])  # read while it is alive
+            self.args[id(t)] = (ref, count + 1)
 
     def _post(self, i: int) -> Callable[..., None]:
         def hook(module: Any, args: Any, out: Any) -> None:
@@ -675,6 +712,8 @@ class _InputFrees:
             got: list[torch.Tensor] = []
             tensors_in(out, got)
             self.outs[i] = [weakref.ref(t) for t in got]
+            if i == self.last:
+                self.out_sizes = _sizes(self.outs[i])
 
         return hook
 
@@ -682,7 +721,13 @@ class _InputFrees:
         def hook(module: Any, args: Any, out: Any) -> None:
             if last >= 1:
                 self.freed[last - 1] = _dead(self.passed[last - 1])
-            self.freed[last] = _dead(_sizes(self.outs[last]))
+            self.freed[last] = _dead(self.out_sizes)
+            shared: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+            for key, (_, count) in self.args.items():
+                if count >= 2:
+                    for r, nbytes in self.arg_sizes[key]:
+                        shared[id(r)] = (r, nbytes)
+            self.shared = _dead(list(shared.values()))
 
         return hook
 

@@ -501,6 +501,44 @@ class StepPeak:
     movable: bool
 
 
+#: The decisions whose region keeps the block's inputs until its backward (a checkpoint).
+HOLD_INPUTS = ("recompute", "selective", "split")
+
+
+def checkpointed_view(
+    blocks: Sequence[BlockCosts], top: int, shared: int
+) -> tuple[list[BlockCosts], int]:
+    """The terms of plans with at least one checkpoint, when the model's forward makes
+    ``shared`` bytes of tensors it passes to several blocks (an attention mask, rotary
+    tables) that die when the forward returns under ``keep``.
+
+    A checkpointed block keeps them as inputs until its backward, so they are alive in the
+    backward of every block from the last down to the first checkpointed one. The uniform
+    lines measured them inside the checkpointed decisions' backward terms; here they are
+    in every backward term (``bwd_start``) and in ``top`` instead: exact for checkpointed
+    blocks, high by ``shared`` for kept blocks before the first checkpoint (whose backward
+    comes after it has been freed).
+    """
+    out = []
+    for b in blocks:
+        excess = dict(b.bwd_excess)
+        for d in HOLD_INPUTS:
+            if d in excess and excess[d] > -(2**62):
+                excess[d] -= shared
+        out.append(dataclasses.replace(b, bwd_start=b.bwd_start + shared, bwd_excess=excess))
+    return out, top + shared
+
+
+def plan_terms(
+    prof: Any, decisions: Sequence[str], spans: Sequence[Sequence[int]] = ()
+) -> tuple[Sequence[BlockCosts], int]:
+    """The blocks and ``top`` the model uses for a plan (see :func:`checkpointed_view`)."""
+    shared = int(getattr(prof, "shared_bytes", 0))
+    if shared and (spans or any(d != "keep" for d in decisions)):
+        return checkpointed_view(prof.blocks, prof.top, shared)
+    return prof.blocks, prof.top
+
+
 def step_peak(prof: Any, decisions: Sequence[str], spans: Sequence[Sequence[int]] = ()) -> StepPeak:
     """The peak of one step of the default loop under a plan (first and later steps).
 
@@ -509,7 +547,8 @@ def step_peak(prof: Any, decisions: Sequence[str], spans: Sequence[Sequence[int]
     static = prof.static_bytes
     kept = prof.grad_bytes if prof.grads_kept else 0
     state = prof.optimizer_state_bytes
-    act, where = activation_terms(prof.blocks, prof.top, decisions, prof.pre, spans)
+    blocks, top = plan_terms(prof, decisions, spans)
+    act, where = activation_terms(blocks, top, decisions, prof.pre, spans)
     grads_at = _grads_at(prof, where)
     base = {"static": static, "gradients": kept, "optimizer": state}
     cands = [

@@ -9,7 +9,14 @@ from typing import Any
 
 from .._errors import PlanError
 from .apply import apply_plan
-from .model import DECISIONS, StepPeak, fmt_bytes, parse_budget, predicted_cost
+from .model import (
+    DECISIONS,
+    StepPeak,
+    checkpointed_view,
+    fmt_bytes,
+    parse_budget,
+    predicted_cost,
+)
 from .solve import smallest_chain, solve
 
 
@@ -269,21 +276,31 @@ def plan(
     if len(chained) != max(len(blocks) - 1, 0):  # not recorded: no spans
         chained = [False] * max(len(blocks) - 1, 0)
     held = list(getattr(profile, "kept", [])) or None
-    floor_ds, floor_spans = smallest_chain(blocks, profile.top, allowed, longest, chained, held)
+    top = profile.top
+    shared = int(getattr(profile, "shared_bytes", 0))
+    if shared:  # plans with a checkpoint keep what the forward passes to every block
+        blocks, top = checkpointed_view(blocks, top, shared)
+    floor_ds, floor_spans = smallest_chain(blocks, top, allowed, longest, chained, held)
     floor = profile.peak(floor_ds, floor_spans)
+    keep_all = profile.peak(["keep"] * len(blocks))
+    if keep_all.bytes < floor.bytes:  # only when shared: no checkpoint, nothing kept
+        floor_ds, floor_spans, floor = ["keep"] * len(blocks), [], keep_all
     if floor.bytes + scratch > budget_bytes:
         raise PlanError(_miss(budget_bytes, floor, unchecked, scratch))
-    found = solve(
-        blocks,
-        profile.top,
-        budget_bytes - static - scratch,
-        allowed,
-        tolerance=_tolerance(profile, allowed),
-        solver=name,
-        max_span=longest,
-        chained=chained,
-        held=held,
-    )
+    if shared and keep_all.bytes + scratch <= budget_bytes:
+        found: tuple[list[str], list[tuple[int, int]]] | None = (["keep"] * len(blocks), [])
+    else:
+        found = solve(
+            blocks,
+            top,
+            budget_bytes - static - scratch,
+            allowed,
+            tolerance=_tolerance(profile, allowed),
+            solver=name,
+            max_span=longest,
+            chained=chained,
+            held=held,
+        )
     if found is None:  # cannot happen when the floor fits; kept as a guard
         raise PlanError(_miss(budget_bytes, floor, unchecked, scratch))
     decisions, chosen_spans = found
