@@ -989,6 +989,10 @@ def test_a_mask_the_forward_passes_to_every_block_is_counted_once_a_block_is_che
         if prof.peak(list(ds)).bytes != measured:
             wrong.append((ds, prof.peak(list(ds)).bytes - measured))
     assert not wrong
+    # two blocks are enough: the first block's arguments count too
+    two = RotaryLM(depth=2)
+    prof2 = remat.profile(two, idx, pad, optimizer=None, loss_fn=_token_loss, timer="flops")
+    assert prof2.shared_bytes == 8 * 64 * 64
 
 
 @pytest.mark.xfail(

@@ -155,6 +155,10 @@ def test_default_blocks_are_the_repeated_ones_not_the_longest_container():
             return x
 
     assert remat.apply_activation_checkpointing(Stack()) == [f"blocks.{i}" for i in range(4)]
+    # a tie (two blocks; two Linears in each block's MLP): the container of one class wins
+    mlp = lambda: nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))  # noqa: E731
+    two = nn.ModuleList([nn.Sequential(nn.LayerNorm(4), mlp()) for _ in range(2)])
+    assert remat.apply_activation_checkpointing(two) == ["0", "1"]
     prof = remat.profile(Stack(), torch.randn(2, 4, 8, 8), timer="flops")
     assert [b.name for b in prof.blocks] == [f"blocks.{i}" for i in range(4)]
 

@@ -22,7 +22,8 @@ from ._tree import tensors_in
 
 def default_blocks(model: nn.Module) -> list[str]:
     """Names of the model's repeated blocks: the children of its ``ModuleList``/``Sequential``
-    with the most children of one class (then the most children; then the first).
+    with the most children of one class (then one whose children are all of that class, then
+    the most children; then the first).
 
     The repeated blocks, not merely the longest container: in a ``ModuleList`` of four
     ``Sequential(conv, bn, relu, conv, bn)`` blocks the four blocks are the candidates, not
@@ -38,19 +39,20 @@ def default_blocks(model: nn.Module) -> list[str]:
         >>> default_blocks(torch.nn.ModuleList([layer() for _ in range(4)]))
         ['0', '1', '2', '3']
     """
-    best: tuple[int, int, str] | None = None
+    best: tuple[tuple[int, bool, int], str] | None = None
     for name, m in model.named_modules():
         if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 0:
             kinds: dict[type, int] = {}
             for child in m.children():
                 kinds[type(child)] = kinds.get(type(child), 0) + 1
-            score = (max(kinds.values(), default=0), len(m))
-            if best is None or score > best[:2]:
-                best = (*score, name)
+            most = max(kinds.values(), default=0)
+            score = (most, most == len(m), len(m))
+            if best is None or score > best[0]:
+                best = (score, name)
     if best is None:
         return []
-    prefix = best[2] + "." if best[2] else ""
-    container = model.get_submodule(best[2]) if best[2] else model
+    prefix = best[1] + "." if best[1] else ""
+    container = model.get_submodule(best[1]) if best[1] else model
     return [prefix + child for child, _ in container.named_children()]
 
 

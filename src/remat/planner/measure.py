@@ -677,17 +677,19 @@ class _InputFrees:
             i = index[name]
             self.handles.append(m.register_forward_pre_hook(self._pre(i), with_kwargs=True))
             self.handles.append(m.register_forward_hook(self._post(i)))
-        self.handles.append(model.register_forward_hook(self._end(n - 1)))
+        self.handles.append(model.register_forward_hook(self._end))
 
     # Read when the block after next starts (the model's loop variable has moved on by
     # then; a hook of the next block itself still sees its arguments alive).
     def _pre(self, i: int) -> Callable[..., None]:
         def hook(module: Any, args: Any, kwargs: Any) -> None:
-            if i == 0 or is_recomputing():
+            if is_recomputing():
                 return
             got: list[torch.Tensor] = []
             tensors_in((args, kwargs), got)
             self._seen(got, i)
+            if i == 0:
+                return
             self.passed[i - 1] = _sizes([r for r in self.outs[i - 1] if any(r() is t for t in got)])
             if i >= 2:
                 self.freed[i - 2] = _dead(self.passed[i - 2])
@@ -717,19 +719,15 @@ class _InputFrees:
 
         return hook
 
-    def _end(self, last: int) -> Callable[..., None]:
-        def hook(module: Any, args: Any, out: Any) -> None:
-            if last >= 1:
-                self.freed[last - 1] = _dead(self.passed[last - 1])
-            self.freed[last] = _dead(self.out_sizes)
-            shared: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
-            for key, (_, count) in self.args.items():
-                if count >= 2:
-                    for r, nbytes in self.arg_sizes[key]:
-                        shared[id(r)] = (r, nbytes)
-            self.shared = _dead(list(shared.values()))
-
-        return hook
+    def _end(self, module: Any, args: Any, out: Any) -> None:
+        """The model's forward returned: what the last two blocks passed on, and the shared
+        arguments, are read now."""
+        last = self.last
+        if last >= 1:
+            self.freed[last - 1] = _dead(self.passed[last - 1])
+        self.freed[last] = _dead(self.out_sizes)
+        shared = [s for key, (_, count) in self.args.items() if count >= 2 for s in self.arg_sizes[key]]
+        self.shared = _dead(shared)
 
     def remove(self) -> None:
         for h in self.handles:
