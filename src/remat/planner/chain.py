@@ -110,21 +110,23 @@ class Segments:
         self.ending[z + 1].append(k)
 
 
-def joins(
-    chained: Sequence[bool] | None, held: Sequence[bool] | None, a: int, i: int
-) -> bool:
-    """Whether a span from block ``a`` may take in block ``i`` (after ``a..i-1``).
+def span_end(
+    chained: Sequence[bool] | None, held: Sequence[bool] | None, a: int, n: int, max_span: int
+) -> int:
+    """One past the last block a span from block ``a`` may take in.
 
-    Not when block ``i`` does not receive block ``i - 1``'s output (``chained``), nor when
-    the model keeps block ``i - 2``'s output past block ``i - 1`` (``held``: a skip
-    connection, a list of hidden states) and ``i - 2`` is in the span: the span frees
-    what it passes from one block to the next, and refuses a model that keeps it.
+    It stops before block ``i`` when block ``i`` does not receive block ``i - 1``'s output
+    (``chained``), or when the model keeps block ``i - 2``'s output past block ``i - 1``
+    (``held``: a skip connection, a list of hidden states) and ``i - 2`` is in the span:
+    the span frees what it passes from one block to the next, and refuses a model that
+    keeps it.
     """
-    if i == a:
-        return True
-    if chained is not None and not chained[i - 1]:
-        return False
-    return not (held is not None and i - 2 >= a and held[i - 2])
+    for i in range(a + 1, min(n, a + max_span)):
+        if chained is not None and not chained[i - 1]:
+            return i
+        if held is not None and i - 2 >= a and held[i - 2]:
+            return i
+    return min(n, a + max_span)
 
 
 def segment_table(
@@ -140,7 +142,7 @@ def segment_table(
     (equal to them, float sums in the same order), in O(1) a span by running sums. A span
     joins block ``i`` to block ``i + 1`` only where ``chained[i]`` (default: everywhere),
     and holds blocks ``i``, ``i + 1`` and ``i + 2`` together only where not ``held[i]``
-    (the model keeps block ``i``'s output past the next block: see :func:`joins`)."""
+    (the model keeps block ``i``'s output past the next block: see :func:`span_end`)."""
     n = len(blocks)
     w = n * (n + 1) // 2 + 1
     opts = choices(blocks, allowed)
@@ -153,14 +155,15 @@ def segment_table(
             saved = b.retained["keep"] - b.retained[d]
             peak = max(b.fwd_start + b.fwd_excess[d], b.bwd_start - saved + b.bwd_excess[d])
             t.add(a, a, d, False, peak, saved, float(b.cost[d]), simplicity(n, a, d))
+        end = span_end(chained, held, a, n, max_span)
         for d in SPAN_INNER:
             if d not in allowed or d not in opts[a]:
                 continue
             if d == "keep":
-                _keep_spans(t, blocks, a, n, max_span, chained, held, w)
+                _keep_spans(t, blocks, a, end, n, w)
                 continue
             if d == "selective":
-                _selective_spans(t, blocks, a, n, max_span, chained, held, w)
+                _selective_spans(t, blocks, a, end, n, w)
                 continue
             inner = 0  # sum_{a<=j<i} (retained[j][keep] - R_j): saved by the blocks alone
             kept = 0  # P_i = sum_{a<=j<i} R_j
@@ -170,8 +173,8 @@ def segment_table(
             cost_d: float = 0  # sum_{a<=j<=i} cost[j][d], summed as span_segment does
             cost_r: float = 0  # sum_{a<=j<i} cost[j][recompute]
             simp = 0
-            for i in range(a, min(n, a + max_span)):
-                if d not in opts[i] or not joins(chained, held, a, i):
+            for i in range(a, end):
+                if d not in opts[i]:
                     break
                 bi = blocks[i]
                 r = bi.retained[d]
@@ -204,10 +207,8 @@ def _keep_spans(
     t: Segments,
     blocks: Sequence[BlockCosts],
     a: int,
+    end: int,
     n: int,
-    max_span: int,
-    chained: Sequence[bool] | None,
-    held: Sequence[bool] | None,
     w: int,
 ) -> None:
     """The spans from block ``a`` with the blocks plain inside (``inner="keep"``), with the
@@ -221,11 +222,9 @@ def _keep_spans(
     bwd = NEVER  # max_{a<=j<i} bwd_start[j] + bwd_excess[j][keep]
     cost: float = 0  # sum_{a<=j<=i} cost[j][recompute]
     simp = 0
-    for i in range(a, min(n, a + max_span)):
+    for i in range(a, end):
         bi = blocks[i]
         if "recompute" not in bi.cost or "recompute" not in bi.retained:
-            break
-        if not joins(chained, held, a, i):
             break
         r = bi.retained["recompute"]
         fwd_peak = max(fwd_peak, bi.fwd_start - inner - kept_prev + bi.fwd_excess["recompute"])
@@ -257,10 +256,8 @@ def _selective_spans(
     t: Segments,
     blocks: Sequence[BlockCosts],
     a: int,
+    end: int,
     n: int,
-    max_span: int,
-    chained: Sequence[bool] | None,
-    held: Sequence[bool] | None,
     w: int,
 ) -> None:
     """The spans from block ``a`` with each block selective inside (``inner="selective"``),
@@ -274,11 +271,9 @@ def _selective_spans(
     cost_r: float = 0
     prev = 0  # retained[i - 1][recompute]
     simp = 0
-    for i in range(a, min(n, a + max_span)):
+    for i in range(a, end):
         bi = blocks[i]
         if not {"selective", "recompute"} <= bi.retained.keys() & bi.cost.keys():
-            break
-        if not joins(chained, held, a, i):
             break
         fwd_bwd = max(fwd_bwd, bi.fwd_start - kept + prev + bi.fwd_excess["selective"])
         kept += bi.retained["keep"]

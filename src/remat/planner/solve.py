@@ -77,7 +77,7 @@ def solve_chain(
     arXiv:1911.13214). Without ``cost_cap``: a plan of the least cost; with it: the
     simplest plan whose cost is at most ``cost_cap``. Spans join block ``i`` to ``i + 1``
     only where ``chained[i]`` (default: everywhere), and never hold blocks ``i..i+2``
-    where ``held[i]`` (:func:`~remat.planner.chain.joins`).
+    where ``held[i]`` (:func:`~remat.planner.chain.span_end`).
 
     Returns ``(decisions, spans)`` (spans as ``(first, last)`` indices), or ``None``.
     """
@@ -331,7 +331,7 @@ def smallest_chain(
     held: Sequence[bool] | None = None,
 ) -> tuple[list[str], list[tuple[int, int]]]:
     """A plan (with spans up to ``max_span`` blocks, joining blocks only where ``chained``
-    and ``held`` allow: :func:`~remat.planner.chain.joins`) of the smallest predicted
+    and ``held`` allow: :func:`~remat.planner.chain.span_end`) of the smallest predicted
     activation peak."""
     t = segment_table(blocks, allowed, max(1, max_span), chained, held)
     return unpack(t, smallest(t, len(blocks), top))
