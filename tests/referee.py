@@ -74,14 +74,28 @@ def check_auto(
     *args: Any,
     budget: str = "55%",
     loss_fn: Callable[[Any], torch.Tensor] = _sum_loss,
+    set_to_none: bool = True,
+    check_fn: Callable[[str, nn.Module], bool] | None = None,
+    steps: int = 2,
     **kwargs: Any,
 ) -> remat.Plan:
-    """``auto_checkpoint`` then two steps: bitwise updates and buffers, peak within budget."""
+    """``auto_checkpoint`` then ``steps`` steps (the first creates the optimizer state):
+    bitwise updates and buffers, peak within budget. ``set_to_none`` and ``check_fn`` go to
+    ``auto_checkpoint`` and the loop (``set_to_none=False``: the gradients exist before every
+    step, zeroed, as in gradient accumulation); ``kwargs`` go to the model as well."""
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     p = remat.auto_checkpoint(
-        model, *args, budget=budget, optimizer=opt, loss_fn=loss_fn, timer="flops", **kwargs
+        model,
+        *args,
+        budget=budget,
+        optimizer=opt,
+        loss_fn=loss_fn,
+        timer="flops",
+        set_to_none=set_to_none,
+        check_fn=check_fn,
+        **kwargs,
     )
     inputs = [t for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor)]
 
@@ -90,11 +104,15 @@ def check_auto(
         loss_fn(m(*args, **kwargs)).backward()
         o.step()
 
-    for i in range(2):  # the first step (optimizer state created) and a later one
+    if not set_to_none:  # the loop's gradients exist before its first step
+        for m in (model, ref):
+            torch.manual_seed(5)
+            loss_fn(m(*args, **kwargs)).backward()
+    for i in range(steps):
         # zero_grad before the meter starts: the profiler does not report the free of a
         # block allocated before it started, so gradients freed inside would stay counted
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
+        ref_opt.zero_grad(set_to_none=set_to_none)
         start = alive_bytes(model, opt, inputs)
         raw_peak, _, _ = referee(lambda: step(model, opt))
         assert start + raw_peak <= p.budget_bytes, (i, start + raw_peak, p.budget_bytes)

@@ -8,7 +8,6 @@ unchecked copy (dropout on, same seeds), and the step's absolute peak on
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as tuc
-from referee import alive_bytes, check_auto, referee
+from referee import check_auto
 from torch import nn
 
 import remat
@@ -220,11 +219,13 @@ class MoEBlock(nn.Module):
         return x + out.view(shape)
 
 
-class MoEModel(nn.Module):
-    def __init__(self) -> None:
+class TokenLM(nn.Module):
+    """Embedding, four blocks made by ``block``, a head."""
+
+    def __init__(self, block: Callable[[], nn.Module]) -> None:
         super().__init__()
         self.emb = nn.Embedding(64, 32)
-        self.blocks = nn.ModuleList(MoEBlock() for _ in range(4))
+        self.blocks = nn.ModuleList(block() for _ in range(4))
         self.head = nn.Linear(32, 64)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -237,7 +238,7 @@ class MoEModel(nn.Module):
 @pytest.mark.parametrize("budget", ["60%", pytest.param("75%", marks=pytest.mark.slow)])
 def test_mixture_of_experts_with_top1_routing(budget):
     torch.manual_seed(0)
-    check_auto(MoEModel(), _tokens(shape=(8, 16)), budget=budget, loss_fn=_token_loss)
+    check_auto(TokenLM(MoEBlock), _tokens(shape=(8, 16)), budget=budget, loss_fn=_token_loss)
 
 
 # --- weight tying: the output head shares the embedding's weight
@@ -422,59 +423,16 @@ def test_autocast_bfloat16_inside_forward(budget):
 # --- set_to_none=False: the loop keeps (zeroed) gradients between steps
 
 
-def check_auto_with(
-    model: nn.Module,
-    *args: Any,
-    budget: str,
-    loss_fn: Callable[[Any], torch.Tensor] = lambda out: out.float().sum(),
-    set_to_none: bool = True,
-    check_fn: Callable[[str, nn.Module], bool] | None = None,
-) -> remat.Plan:
-    """:func:`referee.check_auto` with the options it would forward to the model:
-    ``set_to_none=False`` (the loop zeroes its gradients instead of freeing them, so they
-    exist before every step, as in gradient accumulation) and ``check_fn``."""
-    ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    p = remat.auto_checkpoint(
-        model,
-        *args,
-        budget=budget,
-        optimizer=opt,
-        loss_fn=loss_fn,
-        timer="flops",
-        set_to_none=set_to_none,
-        check_fn=check_fn,
-    )
-    inputs = [t for t in args if isinstance(t, torch.Tensor)]
-
-    def step(m: nn.Module, o: torch.optim.Optimizer) -> None:
-        o.zero_grad(set_to_none=set_to_none)
-        torch.manual_seed(5)
-        loss_fn(m(*args)).backward()
-        o.step()
-
-    if not set_to_none:  # the loop's gradients exist before its first step
-        for m in (model, ref):
-            torch.manual_seed(5)
-            loss_fn(m(*args)).backward()
-    for i in range(3):  # the first step (optimizer state created) and later ones
-        start = alive_bytes(model, opt, inputs)
-        raw_peak, _, _ = referee(lambda: step(model, opt))
-        assert start + raw_peak <= p.budget_bytes, (i, start + raw_peak, p.budget_bytes)
-        step(ref, ref_opt)
-        for (name, a), b in zip(model.named_parameters(), ref.parameters()):
-            assert torch.equal(a, b), (i, name)
-        for (name, a), b in zip(model.named_buffers(), ref.buffers()):
-            assert torch.equal(a, b), (i, name)
-    return p
-
-
 @pytest.mark.parametrize("budget", ["50%", pytest.param("70%", marks=pytest.mark.slow)])
 def test_gradient_accumulation_loop_keeps_gradients(budget):
     torch.manual_seed(0)
-    p = check_auto_with(
-        TiedLM(), _tokens(shape=(8, 16)), budget=budget, loss_fn=_token_loss, set_to_none=False
+    p = check_auto(
+        TiedLM(),
+        _tokens(shape=(8, 16)),
+        budget=budget,
+        loss_fn=_token_loss,
+        set_to_none=False,
+        steps=3,
     )
     assert p.budget_bytes > 0
 
@@ -510,12 +468,13 @@ def test_blocks_in_a_sequential_inside_a_moduledict(budget):
 def test_blocks_of_both_towers_picked_with_check_fn():
     torch.manual_seed(0)
     model = Towers()
-    p = check_auto_with(
+    p = check_auto(
         model,
         torch.randn(128, 32),
         torch.randn(128, 32),
         budget="50%",
         check_fn=lambda name, m: name.count(".") == 2 and isinstance(m, nn.Sequential),
+        steps=3,
     )
     assert len(p.decisions) == 8
 
@@ -566,24 +525,12 @@ class SDPABlock(nn.Module):
         return x + self.mlp(x)
 
 
-class SDPAModel(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(64, 32)
-        self.blocks = nn.ModuleList(SDPABlock() for _ in range(4))
-        self.head = nn.Linear(32, 64)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.emb(idx)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
 
 
 @pytest.mark.parametrize("budget", ["40%", pytest.param("70%", marks=pytest.mark.slow)])
 def test_sdpa_with_attention_dropout(budget):
     torch.manual_seed(0)
-    check_auto(SDPAModel(), _tokens(shape=(4, 32)), budget=budget, loss_fn=_token_loss)
+    check_auto(TokenLM(SDPABlock), _tokens(shape=(4, 32)), budget=budget, loss_fn=_token_loss)
 
 
 @pytest.mark.parametrize("budget", ["48%", "56%"])
@@ -639,18 +586,10 @@ def test_a_span_frees_the_list_one_block_passes_to_the_next():
     # passing [x, h] freed nothing it passed on: predicted two tensors low. The recompute
     # gets a copy of a list anyway (it cannot change the caller's), so the guard now
     # watches only the objects inside it
+    from test_step_model import _plan_of
+
     x = torch.randn(256, 64)
     prof = remat.profile(ListChain(), x, optimizer=None, timer="flops")
-    names = [b.name for b in prof.blocks]
     for ds, spans in ((["keep"] * 4, [(0, 1)]), (["recompute"] * 4, [(1, 2)])):
-        predicted = prof.peak(ds, spans).bytes
-        plan = remat.Plan(
-            decisions=dict(zip(names, ds)),
-            predicted_peak_bytes=predicted,
-            predicted_overhead_s=0.0,
-            unchecked_peak_bytes=prof.unchecked_peak_bytes,
-            budget_bytes=predicted,
-            spans=[[names[a], names[z]] for a, z in spans],
-        )
-        model = plan.apply(ListChain())
-        assert remat.measure_peak(model, x) == predicted, (ds, spans)
+        model = _plan_of(prof, ds, spans).apply(ListChain())
+        assert remat.measure_peak(model, x) == prof.peak(ds, spans).bytes, (ds, spans)
