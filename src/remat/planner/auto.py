@@ -223,9 +223,9 @@ def auto_checkpoint(
     ``"remat"``) unless ``quiet``. If it still misses, the blocks are put back as they were
     and :class:`~remat.PlanError` is raised: a plan known to be over budget is
     never returned. A span the model refuses when it runs (a block's output kept
-    past the next block, as a U-Net's skip connections do, which the profile cannot
-    see) is logged and the plan made again without spans; whatever fails, the model
-    is left as it was.
+    past the next block in a way the profile's forward without gradients did not show,
+    ``Profile.kept_outputs``) is logged and the plan made again without spans; whatever
+    fails, the model is left as it was.
 
     Args:
         model: changed in place.
@@ -317,7 +317,7 @@ def auto_checkpoint(
                 restore_state(blocks, wrapping)
                 raise
             # The model refused a span the plan chose (a block's output kept past the next
-            # block, as a U-Net's skip connection: the profile cannot see it, the span can).
+            # block that Profile.kept_outputs did not show: held only through autograd).
             spans = False
             if not quiet:
                 log.warning("remat.auto_checkpoint: %s Planning again without spans.", e)
