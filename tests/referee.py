@@ -77,37 +77,49 @@ def check_auto(
     set_to_none: bool = True,
     check_fn: Callable[[str, nn.Module], bool] | None = None,
     steps: int = 2,
+    amp: torch.dtype | None = None,
     **kwargs: Any,
 ) -> remat.Plan:
     """``auto_checkpoint`` then ``steps`` steps (the first creates the optimizer state):
     bitwise updates and buffers, peak within budget. ``set_to_none`` and ``check_fn`` go to
     ``auto_checkpoint`` and the loop (``set_to_none=False``: the gradients exist before every
-    step, zeroed, as in gradient accumulation); ``kwargs`` go to the model as well."""
+    step, zeroed, as in gradient accumulation); ``kwargs`` go to the model as well. ``amp``:
+    the loop of torch's mixed-precision recipe (forward and loss in a CPU autocast region of
+    that dtype, backward and the optimizer step after it), planned inside such a region."""
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    p = remat.auto_checkpoint(
-        model,
-        *args,
-        budget=budget,
-        optimizer=opt,
-        loss_fn=loss_fn,
-        timer="flops",
-        set_to_none=set_to_none,
-        check_fn=check_fn,
-        **kwargs,
-    )
+
+    def region() -> Any:
+        return torch.autocast("cpu", dtype=amp, enabled=amp is not None)
+
+    with region():
+        p = remat.auto_checkpoint(
+            model,
+            *args,
+            budget=budget,
+            optimizer=opt,
+            loss_fn=loss_fn,
+            timer="flops",
+            set_to_none=set_to_none,
+            check_fn=check_fn,
+            **kwargs,
+        )
     inputs = [t for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor)]
 
     def step(m: nn.Module, o: torch.optim.Optimizer) -> None:
         torch.manual_seed(5)
-        loss_fn(m(*args, **kwargs)).backward()
+        with region():
+            loss = loss_fn(m(*args, **kwargs))
+        loss.backward()
         o.step()
 
     if not set_to_none:  # the loop's gradients exist before its first step
         for m in (model, ref):
             torch.manual_seed(5)
-            loss_fn(m(*args, **kwargs)).backward()
+            with region():
+                loss = loss_fn(m(*args, **kwargs))
+            loss.backward()
     for i in range(steps):
         # zero_grad before the meter starts: the profiler does not report the free of a
         # block allocated before it started, so gradients freed inside would stay counted

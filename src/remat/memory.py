@@ -65,7 +65,7 @@ import contextlib
 import dataclasses
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -87,13 +87,15 @@ _SPARSE_PARTS = {
 
 
 class _StorageRef(weakref.ref):  # type: ignore[type-arg]
-    """Weak reference to a counted storage; remembers its key, bytes and device."""
+    """Weak reference to a counted storage; remembers its key, bytes, device and ``seq``
+    (how many storages the tracker had counted before it: the order of allocation)."""
 
-    __slots__ = ("device", "key", "nbytes")
+    __slots__ = ("device", "key", "nbytes", "seq")
 
     key: int
     nbytes: int
     device: str
+    seq: int
 
 
 class Window:
@@ -213,6 +215,27 @@ class MemoryTracker:
                     self._watched_keys.add(st._cdata)
                     self._watched.append([st, st.nbytes(), device])
 
+    def freed_by(self, fn: Callable[[], Any]) -> list[tuple[int, int]]:
+        """Call ``fn()``; return ``(seq, nbytes)`` of each counted storage that died during
+        the call, ``seq`` being the number of storages counted before it was (compare with
+        :attr:`allocations` read earlier to tell when it was allocated).
+
+        Example:
+            >>> import torch, remat
+            >>> with remat.memory.track() as t:
+            ...     held = [torch.empty(10), torch.empty(20)]
+            ...     t.freed_by(held.clear)
+            [(0, 40), (1, 80)]
+        """
+        with self._lock:
+            self._apply_frees()
+            before = list(self._live.values())
+        fn()
+        with self._lock:
+            self._apply_frees()
+            live = self._live
+            return [(r.seq, r.nbytes) for r in before if live.get(r.key) is not r]
+
     def __repr__(self) -> str:
         return (
             f"MemoryTracker(current_bytes={self.current_bytes}, peak_bytes={self.peak_bytes}, "
@@ -254,6 +277,7 @@ class MemoryTracker:
         ref.key, ref.nbytes, ref.device = key, storage.nbytes(), device
         with self._lock:
             self._apply_frees()
+            ref.seq = self.allocations
             self._live[key] = ref
             self.allocations += 1
             self._grow(ref.nbytes, device)

@@ -20,6 +20,7 @@ from .._modelinfo import (
     loss_of,
 )
 from .._tree import tensors_in
+from .amp import fresh_region, outside
 from .apply import restore_state, snapshot_state
 from .distributed import active, agree_max, agree_min, agree_profile, agree_same
 from .measure import Profile
@@ -75,7 +76,11 @@ def step_peaks(
         storages = unsharded_storages(model)  # FSDP2: every rank (a collective)
         if not set_to_none:  # the gradients exist before the step, as in the user's loop
             state.reset_rng()
-            loss_of(model(*args, **kwargs), loss_fn, "remat.measure_peak").backward()
+            fresh_region()
+            loss = loss_of(model(*args, **kwargs), loss_fn, "remat.measure_peak")
+            with outside():
+                loss.backward()
+            del loss
         for _ in range(steps):
             for t in state.leaves:
                 if set_to_none:
@@ -88,13 +93,15 @@ def step_peaks(
                 + storage_bytes(optimizer_tensors(optimizer), counted)
             )
             state.reset_rng()
+            fresh_region()  # in the caller's autocast region: one iteration of the AMP recipe
             with memory.track(counted) as tracker:
                 tracker.watch(storages)
                 out = model(*args, **kwargs)
                 loss = loss_of(out, loss_fn, "remat.measure_peak")
-                loss.backward()
-                if optimizer is not None:
-                    optimizer.step()
+                with outside():
+                    loss.backward()
+                    if optimizer is not None:
+                        optimizer.step()
                 del out, loss
             peaks.append(base + tracker.peak_bytes)
     finally:
@@ -118,7 +125,8 @@ def measure_peak(
     first tensor argument, else of the parameters; host buffers of offloading
     are not counted). The steps start from the current RNG state and leave
     everything as it was: parameters, gradients, optimizer state, buffers
-    (BatchNorm running statistics), RNG.
+    (BatchNorm running statistics), RNG. Inside a ``torch.autocast`` region each step
+    is an iteration of torch's mixed-precision recipe (:mod:`remat.planner.amp`).
 
     Args:
         model: the model.
@@ -226,6 +234,9 @@ def auto_checkpoint(
     past the next block in a way the profile's forward without gradients did not show,
     ``Profile.kept_outputs``) is logged and the plan made again without spans; whatever
     fails, the model is left as it was.
+
+    For a mixed-precision loop, call it inside the loop's ``torch.autocast`` region: the
+    steps it measures are then iterations of torch's recipe (:mod:`remat.planner.amp`).
 
     Args:
         model: changed in place.

@@ -107,7 +107,7 @@ _INT_FIELDS = (
     "shared_bytes",
 )  # fmt: skip
 _BLOCK_INTS = ("fwd_start", "bwd_start", "input_bytes", "param_bytes", "bwd_grads")
-_BLOCK_INT_DICTS = ("retained", "fwd_excess", "bwd_excess")
+_BLOCK_INT_DICTS = ("retained", "fwd_excess", "bwd_excess", "exit_freed", "pre_exit")
 _BLOCK_FLOAT_DICTS = ("cost", "noise")
 
 

@@ -22,6 +22,7 @@ predicted peak lives in :mod:`remat.planner.model`.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import logging
@@ -46,6 +47,7 @@ from .._modelinfo import (
 )
 from .._split import can_split
 from .._tree import tensors_in
+from .amp import fresh_region, outside
 from .apply import apply_decision, restore_state, snapshot_state
 from .distributed import active, agree_profile, agree_same
 from .model import (
@@ -56,6 +58,8 @@ from .model import (
     checkpointed_view,
     derive_blocks,
     equalize_costs,
+    exit_view,
+    has_exit,
     step_peak,
 )
 from .scratch import operator_scratch
@@ -164,6 +168,8 @@ class Profile:
         blocks, top = self.blocks, self.top
         if self.shared_bytes:
             blocks, top = checkpointed_view(blocks, top, self.shared_bytes)
+        if has_exit(blocks):  # an autocast region ends before backward: safe terms
+            blocks = exit_view(blocks, safe=True)
         floor = self.peak(
             *smallest_chain(blocks, top, self.decisions, 16, self.chained, self.kept or None)
         ).bytes
@@ -227,6 +233,10 @@ def profile(
     change is put back: parameter values, gradients (of parameters and inputs:
     the very tensors, untouched), optimizer state and hyper-parameters,
     buffers (BatchNorm running statistics), the RNG, and the blocks' wrapping.
+
+    Called inside a ``torch.autocast`` region, the steps are iterations of torch's
+    mixed-precision recipe: forward and loss in the region, backward and the optimizer
+    step after its end (:mod:`remat.planner.amp`).
 
     Args:
         model: the model.
@@ -340,9 +350,11 @@ def profile(
     def step(watch: _Windows | None = None) -> None:
         start = clock_now()
         state.reset_rng()
+        fresh_region()  # in the caller's autocast region: one iteration of the AMP recipe
         out = model(*args, **kwargs)
         loss = loss_of(out, loss_fn)
-        loss.backward()
+        with outside():
+            loss.backward()
         if watch is not None:  # `out` and `loss` are alive here, as in the user's loop
             watch.finish()
         del out, loss
@@ -514,11 +526,11 @@ def _optimizer_terms(
     """
     state.fresh_optimizer_state()
     try:
-        with memory.track(counted) as t:
+        with outside(), memory.track(counted) as t:
             optimizer.step()
         first = t.peak_bytes
         opt_state = storage_bytes(optimizer_tensors(optimizer), counted)
-        with memory.track(counted) as t:
+        with outside(), memory.track(counted) as t:
             optimizer.step()
         later = t.peak_bytes
     finally:
@@ -555,10 +567,16 @@ class _Windows:
         )  # fmt: skip
         self.phase: tuple[str, int] = ("pre", -1)
         self.window = tracker.open_window()
+        self.seq = [0] * (n + 1)  # tracker.allocations at each block's forward start, and top's
         self.handles = []
         for name, m in blocks.items():
             self.handles.append(m.register_forward_pre_hook(self._pre(name)))
             self.handles.append(m.register_forward_hook(self._post(name)))
+        # The end of an autocast region (the caller's, emulated before backward by
+        # ``amp.outside``, or one inside the model's forward) drops its cast cache through
+        # ``torch.clear_autocast_cache``: seen here, while this step runs.
+        self.real_clear = torch.clear_autocast_cache
+        torch.clear_autocast_cache = self._clear_cache  # type: ignore[assignment]
 
     def _switch(self, phase: tuple[str, int]) -> int:
         """Close the open window (its peak goes to its phase), open one for ``phase``."""
@@ -587,6 +605,7 @@ class _Windows:
             tensors_in(args, found)
             self.line.input_bytes[i] = storage_bytes(found, self.counted)
             self.line.fwd_start[i] = self._switch(("fwd", i))
+            self.seq[i] = self.tracker.allocations
 
         return hook
 
@@ -597,6 +616,7 @@ class _Windows:
             i = self.index[name]
             if name == self.last:
                 self.line.top_start = self._switch(("top", -1))
+                self.seq[-1] = self.tracker.allocations
             outs: list[torch.Tensor] = []
             tensors_in(out, outs)
             outs = [t for t in outs if t.requires_grad]
@@ -606,6 +626,24 @@ class _Windows:
                 )
 
         return hook
+
+    def _clear_cache(self) -> None:
+        """``torch.clear_autocast_cache`` while the step runs: between the last block's
+        forward and its backward (the region's end), split the ``top`` window there and
+        count, per block, the bytes of its forward window that die (its cached casts)."""
+        if self.phase[0] != "top":
+            self.real_clear()
+            return
+        line, tracker = self.line, self.tracker
+        if line.top_pre_peak is None:
+            line.top_pre_peak = tracker.close_window(self.window)
+            self.window = tracker.open_window()
+            line.exit_freed = [0] * len(line.fwd_start)
+        for seq, nbytes in tracker.freed_by(self.real_clear):
+            i = bisect.bisect_right(self.seq, seq) - 1
+            if 0 <= i < len(line.exit_freed):  # allocated in block i's forward window
+                line.exit_freed[i] += nbytes
+        self.window.peak = self.window.start = tracker.current_bytes
 
     def backward_start(self, i: int) -> None:
         if self.line.bwd_start[i] is None:
@@ -618,6 +656,7 @@ class _Windows:
         self.line.end_grads = grad_bytes(self.params, self.counted)
 
     def remove(self) -> None:
+        torch.clear_autocast_cache = self.real_clear  # type: ignore[assignment]
         self.tracker.close_window(self.window)
         for h in self.handles:
             h.remove()
@@ -726,7 +765,9 @@ class _InputFrees:
         if last >= 1:
             self.freed[last - 1] = _dead(self.passed[last - 1])
         self.freed[last] = _dead(self.out_sizes)
-        shared = [s for key, (_, count) in self.args.items() if count >= 2 for s in self.arg_sizes[key]]
+        shared = [
+            s for key, (_, count) in self.args.items() if count >= 2 for s in self.arg_sizes[key]
+        ]
         self.shared = _dead(shared)
 
     def remove(self) -> None:
@@ -787,9 +828,7 @@ def _kept_outputs(
                 return
             alive = [t for r in passed[j] if (t := r()) is not None]
             later = [t for r in outs[j + 1] if (t := r()) is not None] + got
-            kept[j] = any(
-                not any(t is u or _shares_storage(t, u) for u in later) for t in alive
-            )
+            kept[j] = any(not any(t is u or _shares_storage(t, u) for u in later) for t in alive)
 
         return hook
 

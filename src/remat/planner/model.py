@@ -113,6 +113,14 @@ class BlockCosts:
     ``bwd_grads`` is the bytes of gradients alive at the end of the block's backward
     window under ``keep`` (for the peak's breakdown), ``noise`` the spread of the
     timing samples of each decision's cost (for near-ties).
+
+    Where an autocast region ends between the last block's forward and its backward
+    (torch's mixed-precision recipe, or ``torch.autocast`` inside the model's
+    ``forward``: :mod:`remat.planner.amp`), ``retained`` is what the block keeps into
+    backward, ``exit_freed[d]`` what it also kept in forward until the region's end
+    (autocast's cached casts of its weights, which only ``keep`` saves for backward),
+    and the last block's ``pre_exit[d]`` the peak of the head and the loss before the
+    end, as a forward term (see :func:`activation_terms`). Both are empty otherwise.
     """
 
     name: str
@@ -126,6 +134,8 @@ class BlockCosts:
     param_bytes: int = 0
     bwd_grads: int = 0
     noise: dict[str, float] = dataclasses.field(default_factory=dict)
+    exit_freed: dict[str, int] = dataclasses.field(default_factory=dict)
+    pre_exit: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -149,6 +159,13 @@ class Timeline:
     end_bytes: int = 0
     end_grads: int = 0
     input_bytes: list[int] = dataclasses.field(default_factory=list)
+    #: Where the caller's (or the model's) autocast region ended between the last block's
+    #: forward and its backward (:mod:`remat.planner.amp`): the peak of the ``top`` window
+    #: before the end (``None``: no region ended there; ``top_peak`` is then the whole
+    #: window's, else the part after the end), and per block the bytes allocated in its
+    #: forward window that the end freed (autocast's cached casts of its weights).
+    top_pre_peak: int | None = None
+    exit_freed: list[int] = dataclasses.field(default_factory=list)
 
 
 def derive_blocks(
@@ -164,16 +181,23 @@ def derive_blocks(
     keep = lines["keep"]
     n = len(names)
     out = []
-    saved = dict.fromkeys(decisions, 0)  # bytes each uniform step saved up to this block
+    # bytes each uniform step saved up to this block: alive in forward, and in backward
+    saved_f = dict.fromkeys(decisions, 0)
+    saved = dict.fromkeys(decisions, 0)
+    exited = keep.top_pre_peak is not None  # an autocast region ended before backward
+    exit_freed = {d: t.exit_freed or [0] * n for d, t in lines.items()}
     for i, name in enumerate(names):
-        retained = {}
+        retained, retained_f = {}, {}
         for d, t in lines.items():
             nxt = t.fwd_start[i + 1] if i + 1 < n else t.top_start
-            retained[d] = nxt - t.fwd_start[i]
+            retained_f[d] = nxt - t.fwd_start[i]
+            retained[d] = retained_f[d] - exit_freed[d][i]
         bwd_excess = {}
         kb = keep.bwd_start[i]
+        pre_exit = {}
         for d, t in lines.items():
             saved[d] += retained["keep"] - retained[d]
+            saved_f[d] += retained_f["keep"] - retained_f[d]
             start = t.bwd_start[i]
             if kb is None or start is None:  # no backward window: never the binding term
                 bwd_excess[d] = -(2**62)
@@ -187,6 +211,12 @@ def derive_blocks(
             bwd_excess[d] = t.bwd_peak[i] - assumed
             if i == n - 1:  # the same for the head, the loss and their backward
                 bwd_excess[d] = max(bwd_excess[d], t.top_peak - assumed)
+        if i == n - 1 and exited:  # the head and the loss before the region's end
+            pre_exit = {
+                d: t.top_pre_peak + saved_f[d]
+                for d, t in lines.items()
+                if t.top_pre_peak is not None
+            }
         out.append(
             BlockCosts(
                 name=name,
@@ -200,6 +230,12 @@ def derive_blocks(
                 param_bytes=param_bytes[i],
                 bwd_grads=keep.bwd_grads[i],
                 noise={d: noise[d][name] for d in decisions if name in noise.get(d, {})},
+                exit_freed=(
+                    {d: exit_freed[d][i] for d in decisions}
+                    if exited and any(exit_freed[d][i] for d in decisions)
+                    else {}
+                ),
+                pre_exit=pre_exit,
             )
         )
     return out
@@ -453,6 +489,68 @@ def layout(
     return out
 
 
+def has_exit(blocks: Sequence[BlockCosts]) -> bool:
+    """Whether an autocast region ended between forward and backward in the profiled step."""
+    return any(b.exit_freed or b.pre_exit for b in blocks)
+
+
+def exit_view(blocks: Sequence[BlockCosts], safe: bool) -> list[BlockCosts]:
+    """Terms in one running sum, for the solvers, where an autocast region ends before
+    backward (:func:`has_exit`).
+
+    What a block keeps in forward is ``retained + exit_freed`` and in backward
+    ``retained``, so the exact forward terms (:func:`activation_terms`) subtract
+    ``s_F``, what the blocks before saved in forward, and the backward terms ``s_B``:
+    ``s_B - s_F = sum_{j} (exit_freed[j][d_j] - exit_freed[j][keep])``, the cached casts of
+    the checkpointed blocks. The dynamic program has one running sum, ``s_B``; its forward
+    terms are here either ``safe`` (raised by ``sum_{j<i} max_d (exit_freed[j][d] -
+    exit_freed[j][keep])``, never below the exact term, above it by the casts of the kept
+    blocks before) or optimistic (``s_B`` as if it were ``s_F``: never above the exact
+    term). :func:`remat.plan` solves the optimistic terms first: a plan they choose that
+    meets the budget under the exact terms is optimal; otherwise it solves the safe ones.
+    """
+    out = []
+    over = 0
+    for b in blocks:
+        nb = dataclasses.replace(b, fwd_start=b.fwd_start + (over if safe else 0))
+        if b.exit_freed:
+            keep = b.exit_freed.get("keep", 0)
+            over += max(0, max(b.exit_freed.values()) - keep)
+        if b.pre_exit:  # the last block: its forward-phase term as a backward one
+            excess = dict(b.bwd_excess)
+            for d, v in b.pre_exit.items():
+                if d in excess:
+                    excess[d] = max(excess[d], v - b.bwd_start + (over if safe else 0))
+            nb.bwd_excess = excess
+        out.append(nb)
+    return out
+
+
+def _exact_terms(
+    blocks: Sequence[BlockCosts], top: int, decisions: Sequence[str], pre: int
+) -> tuple[int, str]:
+    """:func:`activation_terms` of a plan without spans, in two running sums (forward and
+    backward: see :func:`exit_view`)."""
+    saved_f = saved_b = 0
+    peak, where = pre, "before the first block"
+    for b, d in zip(blocks, decisions):
+        fwd = b.fwd_start - saved_f + b.fwd_excess[d]
+        if fwd > peak:
+            peak, where = fwd, f"forward of {b.name!r}"
+        x = b.exit_freed
+        saved_f += b.retained["keep"] + x.get("keep", 0) - b.retained[d] - x.get(d, 0)
+        saved_b += b.retained["keep"] - b.retained[d]
+        bwd = b.bwd_start - saved_b + b.bwd_excess[d]
+        if bwd > peak:
+            peak, where = bwd, f"backward of {b.name!r}"
+        if d in b.pre_exit and b.pre_exit[d] - saved_f > peak:
+            peak = b.pre_exit[d] - saved_f
+            where = "after the last block (head, loss and their backward)"
+    if top - saved_b > peak:
+        peak, where = top - saved_b, "after the last block (head, loss and their backward)"
+    return peak, where
+
+
 def activation_terms(
     blocks: Sequence[BlockCosts],
     top: int,
@@ -460,7 +558,17 @@ def activation_terms(
     pre: int = 0,
     spans: Sequence[Sequence[int]] = (),
 ) -> tuple[int, str]:
-    """The activation peak and where it falls (``"forward of 'x'"``, ``"backward of 'x'"``, ...)."""
+    """The activation peak and where it falls (``"forward of 'x'"``, ``"backward of 'x'"``, ...).
+
+    Where an autocast region ends before backward (:func:`has_exit`), a plan without
+    spans is exact in two running sums, and a plan with spans is bounded by the safe
+    single-sum terms of :func:`exit_view` (never low; high by the cached casts of kept
+    blocks in forward terms).
+    """
+    if has_exit(blocks):
+        if not spans:
+            return _exact_terms(blocks, top, decisions, pre)
+        blocks = exit_view(blocks, safe=True)
     saved = 0
     peak, where = pre, "before the first block"
     for seg in layout(blocks, decisions, spans):

@@ -13,7 +13,9 @@ from .model import (
     DECISIONS,
     StepPeak,
     checkpointed_view,
+    exit_view,
     fmt_bytes,
+    has_exit,
     parse_budget,
     predicted_cost,
 )
@@ -280,7 +282,9 @@ def plan(
     shared = int(getattr(profile, "shared_bytes", 0))
     if shared:  # plans with a checkpoint keep what the forward passes to every block
         blocks, top = checkpointed_view(blocks, top, shared)
-    floor_ds, floor_spans = smallest_chain(blocks, top, allowed, longest, chained, held)
+    exited = has_exit(blocks)  # an autocast region ends before backward: see exit_view
+    safe = exit_view(blocks, safe=True) if exited else blocks
+    floor_ds, floor_spans = smallest_chain(safe, top, allowed, longest, chained, held)
     floor = profile.peak(floor_ds, floor_spans)
     keep_all = profile.peak(["keep"] * len(blocks))
     if keep_all.bytes < floor.bytes:  # only when shared: no checkpoint, nothing kept
@@ -290,17 +294,24 @@ def plan(
     if shared and keep_all.bytes + scratch <= budget_bytes:
         found: tuple[list[str], list[tuple[int, int]]] | None = (["keep"] * len(blocks), [])
     else:
-        found = solve(
-            blocks,
-            top,
-            budget_bytes - static - scratch,
-            allowed,
-            tolerance=_tolerance(profile, allowed),
-            solver=name,
-            max_span=longest,
-            chained=chained,
-            held=held,
-        )
+        found = None
+        # Where an autocast region ends before backward the solvers' single running sum
+        # cannot be exact in forward: optimistic terms first (a plan that fits under the
+        # exact ones is then optimal), else the safe ones (see exit_view).
+        for terms in [exit_view(blocks, safe=False), safe] if exited else [blocks]:
+            found = solve(
+                terms,
+                top,
+                budget_bytes - static - scratch,
+                allowed,
+                tolerance=_tolerance(profile, allowed),
+                solver=name,
+                max_span=longest,
+                chained=chained,
+                held=held,
+            )
+            if found is None or profile.peak(*found).bytes + scratch <= budget_bytes:
+                break
     if found is None:  # cannot happen when the floor fits; kept as a guard
         raise PlanError(_miss(budget_bytes, floor, unchecked, scratch))
     decisions, chosen_spans = found

@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .._modelinfo import BufferSnapshot
 from .._tree import tensors_in
+from .amp import fresh_region
 from .sharded import bucket_bytes, bucket_view_params
 
 
@@ -199,3 +200,4 @@ class StepState:
             t.grad = grad
         self.buffers.restore()
         self.reset_rng()
+        fresh_region()  # the caller's autocast region must not reuse casts of the steps
