@@ -210,3 +210,39 @@ def test_outside_ends_the_callers_region_for_backward_and_restores_it():
     assert not torch.is_autocast_enabled("cpu")
     with outside():  # no region: nothing to do
         assert not torch.is_autocast_enabled("cpu")
+
+
+class LossLM(nn.Module):
+    """Returns its own loss beside the logits, as Hugging Face models given ``labels`` do."""
+
+    def __init__(self, vocab: int = 512, d: int = 32, depth: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Residual(d, 4 * d) for _ in range(depth))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        x = self.embed(idx)
+        for b in self.blocks:
+            x = b(x)
+        logits = self.head(x)
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return {"loss": loss, "logits": logits}
+
+
+def test_a_model_that_returns_its_loss_is_measured_with_that_loss():
+    # the user's step is model(**batch)["loss"].backward(); summing the logits too (the
+    # default for other outputs) adds a logits-sized gradient and a float32 copy
+    torch.manual_seed(0)
+    model = LossLM()
+    idx, labels = torch.randint(0, 512, (4, 64)), torch.randint(0, 512, (4, 64))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    default = remat.measure_peak(model, idx, labels=labels, optimizer=opt)
+    own = remat.measure_peak(model, idx, labels=labels, optimizer=opt, loss_fn=lambda o: o["loss"])
+    summed = remat.measure_peak(
+        model, idx, labels=labels, optimizer=opt,
+        loss_fn=lambda o: o["loss"] + o["logits"].float().sum(),
+    )  # fmt: skip
+    assert default == own < summed
+    prof = remat.profile(model, idx, labels=labels, optimizer=opt, timer="flops")
+    assert prof.unchecked_peak_bytes == own

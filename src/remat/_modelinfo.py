@@ -11,7 +11,7 @@ Nothing here imports the planner or the wrappers: they import this module.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -86,7 +86,22 @@ def candidates(
 
 
 def default_loss(out: Any, where: str = "remat.verify") -> torch.Tensor:
-    """Sum of the floating outputs that require grad (in float32)."""
+    """The loss the model returns, else the sum of the floating outputs that require grad
+    (in float32).
+
+    A model that computes its own loss (Hugging Face models given ``labels``) returns it as
+    the ``loss`` entry (a mapping, such as ``ModelOutput``) or attribute of its output; the
+    user's step is then ``model(**batch).loss.backward()``, and that is the step measured
+    (summing the logits as well would add a gradient the size of the logits to it).
+    """
+    own = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+    if (
+        isinstance(own, torch.Tensor)
+        and own.dim() == 0
+        and own.is_floating_point()
+        and own.requires_grad
+    ):
+        return own
     tensors: list[torch.Tensor] = []
     tensors_in(out, tensors)
     floats = [t for t in tensors if t.is_floating_point() and t.requires_grad]

@@ -134,7 +134,8 @@ def measure_peak(
         optimizer: the optimizer the loop steps (``None``: no optimizer step).
         set_to_none: gradients freed before each step (``zero_grad()``'s default)
             or kept and zeroed (``False``).
-        loss_fn: output -> scalar loss; default: sum of the floating outputs.
+        loss_fn: output -> scalar loss; default: the output's ``loss`` (entry or attribute: a
+            model that computes its own loss), else the sum of its floating outputs.
         **kwargs: keyword inputs of the model.
 
     Example:
@@ -247,7 +248,8 @@ def auto_checkpoint(
         optimizer: the optimizer of the training loop (its state and step are
             part of the peak); ``None`` models no optimizer step.
         set_to_none: how the loop clears gradients (see :func:`remat.profile`).
-        loss_fn: output -> scalar loss; default: sum of the floating outputs.
+        loss_fn: output -> scalar loss; default: the output's ``loss`` (entry or attribute: a
+            model that computes its own loss), else the sum of its floating outputs.
         check_fn: picks the candidate blocks (default: the repeated blocks).
         timer: ``"time"`` or ``"flops"`` (see :func:`remat.profile`).
         quiet: do not log re-planning.

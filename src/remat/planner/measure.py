@@ -248,7 +248,8 @@ def profile(
             ``zero_grad()``) frees them, so backward creates them while
             activations are alive; ``False`` (``zero_grad(set_to_none=False)``, or
             gradient accumulation) keeps them allocated for the whole step.
-        loss_fn: output -> scalar loss; default: sum of the floating outputs.
+        loss_fn: output -> scalar loss; default: the output's ``loss`` (entry or attribute: a
+            model that computes its own loss), else the sum of its floating outputs.
         check_fn: ``check_fn(name, module)`` picks the candidate blocks;
             default: the children of the largest ``ModuleList``/``Sequential``.
         decisions: what to measure; default ``keep``, ``recompute``,
