@@ -204,7 +204,8 @@ class SimOps:
     def host_buffer(self, nbytes: int, pin: bool) -> torch.Tensor:
         self.running = True
         try:
-            buf = torch.full((nbytes,), 0xFF, dtype=torch.uint8)
+            with _no_modes():  # host memory: out of sight of a device meter (remat.memory)
+                buf = torch.full((nbytes,), 0xFF, dtype=torch.uint8)
         finally:
             self.running = False
         self.host[_ptr(buf)] = weakref.ref(buf)

@@ -45,6 +45,7 @@ from .._modelinfo import (
     device_of,
     loss_of,
 )
+from .._offload import moves_to_host
 from .._split import can_split
 from .._tree import tensors_in
 from .amp import fresh_region, outside
@@ -302,7 +303,7 @@ def profile(
     device = device_of(model, args)
     if decisions is None:
         decisions = ["keep", "recompute", "selective"] + (
-            ["offload"] if device.type != "cpu" else []
+            ["offload"] if _offloads(model, (args, kwargs)) else []
         )
         if any(can_split(m) for m in candidate_modules(model, check_fn)):
             decisions.append("split")
@@ -312,7 +313,7 @@ def profile(
             f"remat.profile: decisions must include 'keep' and come from {list(DECISIONS)}, "
             f"got {list(decisions)}."
         )
-    if "offload" in decisions and device.type == "cpu":
+    if "offload" in decisions and not _offloads(model, (args, kwargs)):
         raise ValueError(
             "remat.profile: 'offload' needs a device (on CPU the tensors already live in host "
             "memory); drop it from decisions."
@@ -497,6 +498,14 @@ def profile(
         shared_bytes=shared,
     )
     return agree_profile(prof) if agree else prof
+
+
+def _offloads(model: nn.Module, args: Any) -> bool:
+    """Whether offload moves the model's tensors to host memory (on a device; on CPU they
+    are there already and offload keeps them as they are)."""
+    found: list[torch.Tensor] = []
+    tensors_in(args, found)
+    return any(moves_to_host(t) for t in [*found[:1], *list(model.parameters())[:1]])
 
 
 def candidate_modules(
