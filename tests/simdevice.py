@@ -314,8 +314,8 @@ def stash_events() -> Iterator[list[tuple[str, int]]]:
     stash = engine.HostStash
     orig_put, orig_get, orig_back = stash.put, stash.get, stash._bring_back
 
-    def put(self: Any, t: torch.Tensor) -> Any:
-        tk = orig_put(self, t)
+    def put(self: Any, t: torch.Tensor, solo: bool = False) -> Any:
+        tk = orig_put(self, t, solo)
         tickets.append(tk)
         return tk
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -323,3 +324,67 @@ def test_a_span_of_mixed_decisions_is_refused_with_what_to_do():
     blocks, _ = random_chain(0, 3)
     with pytest.raises(ValueError, match=r"got \['keep', 'recompute'\] for blocks 0..1; give"):
         layout(blocks, ["keep", "recompute", "keep"], [(0, 1)])
+
+
+# ------------------------------------------------------ spans whose input is offloaded
+
+OFF_DECS = ("keep", "recompute", "selective", "offload", "split")
+
+
+def offload_chain(seed: int, n: int) -> tuple[list[BlockCosts], int]:
+    """A random chain where some blocks' inputs can be offloaded by a span starting there."""
+    blocks, top = random_chain(seed, n, OFF_DECS)
+    rng = random.Random(seed + 1000)
+    for b in blocks[:-1]:
+        if rng.random() < 0.7:
+            b.offload_input = rng.randint(20, 300)
+    return blocks, top
+
+
+def test_segment_table_offloaded_spans_equal_the_step_model_segments():
+    from remat.planner.chain import OFFLOADED
+
+    for seed in range(20):
+        blocks, _ = offload_chain(seed, 10)
+        t = segment_table(blocks, OFF_DECS, 16)
+        rows = [k for k in range(len(t.first)) if t.span[k] == OFFLOADED]
+        for k in rows:
+            a, z, d = t.first[k], t.last[k], t.decision[k]
+            seg = span_segment(blocks, a, z, d, offload=True)
+            assert (t.peak[k], t.saved[k], t.cost[k]) == (seg.peak, seg.saved, seg.cost)
+            plain = span_segment(blocks, a, z, d)
+            assert seg.saved == plain.saved + blocks[a].offload_input
+            assert seg.peak <= plain.peak
+        # every span from a block whose input can be offloaded, and nothing else
+        got = {(t.first[k], t.last[k], t.decision[k]) for k in rows}
+        plain_spans = {
+            (t.first[k], t.last[k], t.decision[k]) for k in range(len(t.first)) if t.span[k] == 1
+        }
+        assert got == {s for s in plain_spans if blocks[s[0]].offload_input > 0}
+        # no offloaded spans without the offload decision (not measured on a device)
+        t2 = segment_table(blocks, DECS, 16)
+        assert OFFLOADED not in t2.span
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_chain_dp_with_offloaded_spans_finds_the_brute_force_optimum(seed):
+    rng = random.Random(seed)
+    n = rng.randint(2, 5)
+    blocks, top = offload_chain(seed, n)
+    plans = []
+    for ds, sp in layouts(blocks, OFF_DECS, 16):  # each span also with its input offloaded
+        options = [[s] + ([(*s, 1)] if blocks[s[0]].offload_input > 0 else []) for s in sp]
+        plans += [(ds, list(choice)) for choice in itertools.product(*options)]
+    peaks = [predicted_peak(blocks, top, ds, 0, sp) for ds, sp in plans]
+    costs = [predicted_cost(blocks, ds, sp) for ds, sp in plans]
+    lo, hi = min(peaks), max(peaks)
+    assert predicted_peak(blocks, top, *_floor(blocks, top, OFF_DECS, 16)) == lo
+    for budget in sorted({lo - 1, lo, lo + (hi - lo) // 5, (lo + hi) // 2, hi}):
+        fits = [i for i, pk in enumerate(peaks) if pk <= budget]
+        found = solve_chain(blocks, top, budget, OFF_DECS, max_span=16)
+        if not fits:
+            assert found is None
+            continue
+        assert found is not None
+        assert predicted_peak(blocks, top, found[0], 0, found[1]) <= budget
+        assert predicted_cost(blocks, *found) == pytest.approx(min(costs[i] for i in fits))

@@ -219,3 +219,14 @@ def test_backward_prefetches_the_previous_span_input():
 def test_span_input_offload_refused_on_cpu():
     with pytest.raises(remat.PlanError, match="offload_inputs=True.*nothing to do on CPU"):
         apply_span(GPT(), ["layers.0", "layers.1"], offload_inputs=True)
+
+
+def test_span_input_without_prefetch_comes_back_only_when_its_span_asks():
+    with simulated_device(0), stash_events() as events:
+        model = GPT(n=8)
+        for i in range(0, 8, 2):
+            apply_span(
+                model, [f"layers.{i}", f"layers.{i + 1}"], offload_inputs=True, prefetch=False
+            )
+        gpt_step(model)
+    assert events == [(kind, n) for n in (3, 2, 1, 0) for kind in ("get", "back")]

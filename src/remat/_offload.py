@@ -253,6 +253,7 @@ class _Ticket:
         "nbytes",
         "pos",
         "fetched",
+        "solo",
         "__weakref__",
     )
 
@@ -271,6 +272,7 @@ class _Ticket:
         self.out_done: Any = None  # event of the copy out
         self.pos = 0
         self.fetched = False  # brought back at least once (prefetch does it only once)
+        self.solo = False  # brought back only when asked for, and prefetches nothing
 
 
 class HostStash:
@@ -287,10 +289,17 @@ class HostStash:
         # release() runs from finalizers, which garbage collection may call inside put().
         self.lock = threading.RLock()
 
-    def put(self, t: torch.Tensor) -> _Ticket | torch.Tensor:
-        """Stash ``t``; return what :meth:`get` takes back (the tensor itself on the host)."""
+    def put(self, t: torch.Tensor, solo: bool = False) -> _Ticket | torch.Tensor:
+        """Stash ``t``; return what :meth:`get` takes back (the tensor itself on the host).
+
+        ``solo``: no prefetch brings it back before it is asked for, and asking for it
+        prefetches nothing (its device bytes then depend on no other stashed tensor).
+        """
         with self.lock:
-            return self._put(t)
+            tk = self._put(t)
+            if isinstance(tk, _Ticket):
+                tk.solo = solo
+            return tk
 
     def _put(self, t: torch.Tensor) -> _Ticket | torch.Tensor:
         ops = _ops_for(t)
@@ -395,11 +404,13 @@ class HostStash:
     def _prefetch_before(self, tk: _Ticket) -> None:
         # Backward visits tensors in reverse order of forward: fetch the ones stashed just before.
         i = tk.pos
-        if i >= len(self.order) or self.order[i]() is not tk:
+        if tk.solo or i >= len(self.order) or self.order[i]() is not tk:
             return
         for j in range(i - 1, max(i - 1 - _PREFETCH_DEPTH, -1), -1):
             other = self.order[j]()
-            if other is not None and not other.fetched and other.host is not None:
+            if other is None or other.solo:
+                continue
+            if not other.fetched and other.host is not None:
                 self._bring_back(other)
 
 
@@ -477,10 +488,13 @@ def _release(stash: HostStash, ticket: Any, stats: OffloadStats) -> None:
 class _OffloadHooks:
     """Pack/unpack hooks of :func:`offload` (a small class, testable alone)."""
 
-    def __init__(self, stash: HostStash, min_bytes: int, stats: OffloadStats) -> None:
+    def __init__(
+        self, stash: HostStash, min_bytes: int, stats: OffloadStats, solo: bool = False
+    ) -> None:
         self.stash = stash
         self.min_bytes = min_bytes
         self.stats = stats
+        self.solo = solo
 
     def pack(self, t: torch.Tensor) -> Any:
         if is_parameter_like(t):
@@ -490,7 +504,7 @@ class _OffloadHooks:
             self.stats.skipped_small += 1
             return t
         version = t._version
-        ticket = self.stash.put(t.detach())
+        ticket = self.stash.put(t.detach(), self.solo)
         s = self.stats
         s.offloaded_tensors = self.stash.count
         s.offloaded_bytes = self.stash.total_bytes
@@ -564,14 +578,16 @@ def moves_to_host(t: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
-def offload_shared(*, min_bytes: int = 0) -> Iterator[OffloadStats]:
+def offload_shared(*, min_bytes: int = 0, prefetch: bool = True) -> Iterator[OffloadStats]:
     """:func:`offload` on this thread's shared stash (:func:`shared_stash`).
 
     Tensors saved inside share one stash with the offload policies and with
     every other ``offload_shared`` block, so backward prefetches across them:
     bringing back one region's inputs starts copying back the previous one's.
+    ``prefetch=False``: the tensors saved inside come back only when backward asks
+    for them, and asking for them prefetches nothing.
     """
     stats = OffloadStats()
-    hooks = _OffloadHooks(shared_stash(), min_bytes, stats)
+    hooks = _OffloadHooks(shared_stash(), min_bytes, stats, solo=not prefetch)
     with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
         yield stats

@@ -135,6 +135,7 @@ class _Options:
     offload_inputs: bool
     preserve_rng_state: bool
     split: tuple[str, ...]  # blocks this span split (inner="split"), undone with the span
+    prefetch: bool = True  # offload_inputs: prefetched by later backward (see apply_span)
 
 
 def _label(names: Sequence[str]) -> str:
@@ -266,7 +267,7 @@ class _Run:
                     "region-input offload moves device tensors to pinned host memory and has "
                     "nothing to do on CPU. Apply the span with offload_inputs=False."
                 )
-            with offload_shared(min_bytes=0):
+            with offload_shared(min_bytes=0, prefetch=self.opts.prefetch):
                 k = self.kept.add(t)
         else:
             k = self.kept.add(t)
@@ -497,6 +498,7 @@ def apply_span(
     policy: Any = None,
     offload_inputs: bool = False,
     preserve_rng_state: bool = True,
+    prefetch: bool = True,
 ) -> None:
     """Make the blocks ``names`` of ``model`` one checkpointed span, in place.
 
@@ -518,6 +520,11 @@ def apply_span(
         offload_inputs: keep the span's input in pinned host memory until
             backward, prefetched (device only; on CPU it raises).
         preserve_rng_state: replay RNG state in recompute, as in :func:`remat.checkpoint`.
+        prefetch: with ``offload_inputs``: backward brings the input back while it
+            reaches the span (the copy overlaps the backward of the blocks after it),
+            or, ``False``, when the span's own backward asks for it (one copy the
+            backward waits for; the device holds it only from then on, whatever the
+            other spans do: how :func:`remat.plan` models it).
 
     Raises:
         PlanError: for names that are not blocks of the model, nested or repeated
@@ -589,6 +596,7 @@ def apply_span(
         bool(offload_inputs),
         bool(preserve_rng_state),
         tuple(n for n, _, _ in split),
+        bool(prefetch),
     )
     span = _Span(opts)
     for i, m in enumerate(blocks):

@@ -85,10 +85,14 @@ def apply_plan(plan: Any, model: nn.Module) -> nn.Module:
         module = _find(model, name)
         assert module is not None
         apply_decision(module, "keep" if name in in_span else decision)
+    offloaded = {first for first, _ in getattr(plan, "offloaded_spans", [])}
     for members in spans:
         inner = plan.decisions[members[0]]
         policy = save_matmuls(prefer=True) if inner == "selective" else None
-        apply_span(model, members, inner=inner, policy=policy)
+        moved = members[0] in offloaded  # as the step model has it: brought back when asked
+        apply_span(
+            model, members, inner=inner, policy=policy, offload_inputs=moved, prefetch=not moved
+        )
     return model
 
 

@@ -4,7 +4,10 @@ A plan cuts the chain of blocks into *segments*: a block alone under a decision
 (``keep``, ``recompute``, ``selective``, ``offload``, ``split``) or a span of
 2..``max_span`` consecutive blocks checkpointed as one region, the blocks inside it
 plain (``keep``), checkpointed (``recompute``, ``split``: two nesting levels) or
-selective (``selective``: the policy's saved outputs handed to the span). Every
+selective (``selective``: the policy's saved outputs handed to the span), and on a
+device, where the profile found a block's input free to move
+(``BlockCosts.offload_input``), each span from it also with that input in host memory
+until its own backward (``Segments.span == OFFLOADED``). Every
 activation term of a segment is ``term - s``, ``s`` the bytes the segments before
 it saved (:class:`~remat.planner.model.Segment`), so a segment is summed up by
 its ``peak``, ``saved`` and ``cost``, and a plan fits ``budget`` when every
@@ -47,7 +50,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .model import SPAN_INNER, BlockCosts
+from .model import SPAN_INNER, BlockCosts, input_offload_cost
 
 #: How complex a decision is (near-ties go to the smaller sum).
 COMPLEXITY = {"keep": 0, "selective": 1, "recompute": 2, "offload": 3, "split": 4}
@@ -56,6 +59,7 @@ COMPLEXITY = {"keep": 0, "selective": 1, "recompute": 2, "offload": 3, "split": 
 SPAN_COMPLEXITY = 5
 
 NEVER = -(2**62)  # a term that never binds (as in the step model)
+OFFLOADED = 2  # ``Segments.span`` of a span whose input is offloaded (``True`` == 1 otherwise)
 _INF = float("inf")
 
 
@@ -78,7 +82,7 @@ class Segments:
     first: list[int]
     last: list[int]
     decision: list[str]
-    span: list[bool]
+    span: list[int]  # 0: one block, 1: a span, OFFLOADED: a span with its input offloaded
     peak: list[int]
     saved: list[int]
     cost: list[float]
@@ -95,7 +99,7 @@ class Segments:
         return self.columns[name]
 
     def add(
-        self, a: int, z: int, d: str, span: bool, peak: int, saved: int, cost: float, simp: int
+        self, a: int, z: int, d: str, span: int, peak: int, saved: int, cost: float, simp: int
     ):
         k = len(self.first)
         self.first.append(a)
@@ -156,19 +160,22 @@ def segment_table(
             peak = max(b.fwd_start + b.fwd_excess[d], b.bwd_start - saved + b.bwd_excess[d])
             t.add(a, a, d, False, peak, saved, float(b.cost[d]), simplicity(n, a, d))
         end = span_end(chained, held, a, n, max_span)
+        freed = b.offload_input if "offload" in allowed else 0  # offloading the span's input
+        moved = input_offload_cost(blocks, a) if freed > 0 else 0.0
         for d in SPAN_INNER:
             if d not in allowed or d not in opts[a]:
                 continue
             if d == "keep":
-                _keep_spans(t, blocks, a, end, n, w)
+                _keep_spans(t, blocks, a, end, n, w, freed, moved)
                 continue
             if d == "selective":
-                _selective_spans(t, blocks, a, end, n, w)
+                _selective_spans(t, blocks, a, end, n, w, freed, moved)
                 continue
             inner = 0  # sum_{a<=j<i} (retained[j][keep] - R_j): saved by the blocks alone
             kept = 0  # P_i = sum_{a<=j<i} R_j
             kept_prev = 0  # P_{i-1}
-            peak = NEVER  # the forward and backward terms of blocks a..i
+            peak = NEVER  # the backward terms of blocks a..i and the forward term of a
+            after = NEVER  # the forward terms of blocks a+1..i (lower when offloaded)
             recompute = NEVER  # max_{a<=j<i} P_j + fwd_excess[j]
             cost_d: float = 0  # sum_{a<=j<=i} cost[j][d], summed as span_segment does
             cost_r: float = 0  # sum_{a<=j<i} cost[j][recompute]
@@ -181,26 +188,49 @@ def segment_table(
                 fwd = bi.fwd_start - inner - kept_prev + bi.fwd_excess[d]
                 inner += bi.retained["keep"] - r
                 bwd = bi.bwd_start - inner + bi.bwd_excess[d]
-                peak = max(peak, fwd, bwd)
+                if i > a:
+                    after = max(after, fwd)
+                    peak = max(peak, bwd)
+                else:
+                    peak = max(peak, fwd, bwd)
                 cost_d = cost_d + bi.cost[d]
                 simp += simplicity(n, i, d)
                 if i > a:
                     rec = bi.bwd_start - inner - kept + recompute
-                    t.add(
-                        a,
-                        i,
-                        d,
-                        True,
-                        max(peak, rec),
-                        inner + kept,
-                        float(cost_d + cost_r),
-                        simp + SPAN_COMPLEXITY * w * (i - a + 1),
-                    )
+                    _add_span(
+                        t, a, i, d, peak, after, rec, inner + kept, float(cost_d + cost_r),
+                        simp + SPAN_COMPLEXITY * w * (i - a + 1), freed, moved, w,
+                    )  # fmt: skip
                 recompute = max(recompute, kept + bi.fwd_excess[d])
                 cost_r = cost_r + bi.cost.get("recompute", 0.0)
                 kept_prev = kept
                 kept += r
     return t
+
+
+def _add_span(
+    t: Segments,
+    a: int,
+    z: int,
+    d: str,
+    peak: int,
+    after: int,
+    rest: int,
+    saved: int,
+    cost: float,
+    simp: int,
+    freed: int,
+    moved: float,
+    w: int,
+) -> None:
+    """Add the span ``a..z`` (inner ``d``) and, where its input can be offloaded (``freed``
+    bytes: :func:`~remat.planner.model.span_segment`), the offloaded variant: ``after`` (the
+    forward terms of blocks ``a+1..z``) lower by ``freed``, ``freed`` more saved, the
+    copies' cost ``moved`` added, one step more complex."""
+    t.add(a, z, d, True, max(peak, after, rest), saved, cost, simp)
+    if freed > 0:
+        t.add(a, z, d, OFFLOADED, max(peak, after - freed, rest), saved + freed, cost + moved,
+              simp + w)  # fmt: skip
 
 
 def _keep_spans(
@@ -210,13 +240,16 @@ def _keep_spans(
     end: int,
     n: int,
     w: int,
+    freed: int = 0,
+    moved: float = 0.0,
 ) -> None:
     """The spans from block ``a`` with the blocks plain inside (``inner="keep"``), with the
     numbers of :func:`~remat.planner.model.span_segment` by running sums."""
     inner = 0  # sum_{a<=j<i} (retained[j][keep] - R_j), R = retained[recompute]
     kept = 0  # P_i = sum_{a<=j<i} R_j
     kept_prev = 0  # P_{i-1}
-    fwd_peak = NEVER  # the forward terms of blocks a..i
+    fwd_peak = NEVER  # the forward term of block a
+    after = NEVER  # the forward terms of blocks a+1..i
     restored = 0  # sum_{a<=j<i} retained[j][keep]
     rec = NEVER  # max_{a<=j<i} restored_j + fwd_excess[j][keep]
     bwd = NEVER  # max_{a<=j<i} bwd_start[j] + bwd_excess[j][keep]
@@ -227,24 +260,22 @@ def _keep_spans(
         if "recompute" not in bi.cost or "recompute" not in bi.retained:
             break
         r = bi.retained["recompute"]
-        fwd_peak = max(fwd_peak, bi.fwd_start - inner - kept_prev + bi.fwd_excess["recompute"])
+        fwd = bi.fwd_start - inner - kept_prev + bi.fwd_excess["recompute"]
+        if i > a:
+            after = max(after, fwd)
+        else:
+            fwd_peak = fwd
         inner += bi.retained["keep"] - r
         cost = cost + bi.cost["recompute"]
         simp += simplicity(n, i, "keep")
         if i > a:
             saved = inner + kept
             last = bi.bwd_start - (bi.retained["keep"] - r) + bi.bwd_excess["recompute"]
-            peak = max(fwd_peak, bi.bwd_start - saved + rec, last, bwd)
-            t.add(
-                a,
-                i,
-                "keep",
-                True,
-                peak,
-                saved,
-                float(cost),
-                simp + SPAN_COMPLEXITY * w * (i - a + 1),
-            )
+            rest = max(bi.bwd_start - saved + rec, last, bwd)
+            _add_span(
+                t, a, i, "keep", fwd_peak, after, rest, saved, float(cost),
+                simp + SPAN_COMPLEXITY * w * (i - a + 1), freed, moved, w,
+            )  # fmt: skip
         rec = max(rec, restored + bi.fwd_excess["keep"])
         restored += bi.retained["keep"]
         bwd = max(bwd, bi.bwd_start + bi.bwd_excess["keep"])
@@ -259,12 +290,15 @@ def _selective_spans(
     end: int,
     n: int,
     w: int,
+    freed: int = 0,
+    moved: float = 0.0,
 ) -> None:
     """The spans from block ``a`` with each block selective inside (``inner="selective"``),
     with the numbers of :func:`~remat.planner.model.span_segment` by running sums."""
     kept = 0  # sum_{a<=j<i} retained[j][keep]
     inner = 0  # sum_{a<=j<=i} (retained[j][keep] - retained[j][selective])
-    fwd_bwd = NEVER  # the forward and backward terms of blocks a..i
+    fwd_bwd = NEVER  # the backward terms of blocks a..i and the forward term of a
+    after = NEVER  # the forward terms of blocks a+1..i
     restored = 0  # sum_{a<=j<i} retained[j][selective]
     rec = NEVER  # max_{a<=j<=i} restored_j + fwd_excess[j][selective]
     cost: float = 0  # sum_{a<=j<=i} cost[j][selective], then cost[j][recompute]
@@ -275,7 +309,11 @@ def _selective_spans(
         bi = blocks[i]
         if not {"selective", "recompute"} <= bi.retained.keys() & bi.cost.keys():
             break
-        fwd_bwd = max(fwd_bwd, bi.fwd_start - kept + prev + bi.fwd_excess["selective"])
+        fwd = bi.fwd_start - kept + prev + bi.fwd_excess["selective"]
+        if i > a:
+            after = max(after, fwd)
+        else:
+            fwd_bwd = max(fwd_bwd, fwd)
         kept += bi.retained["keep"]
         inner += bi.retained["keep"] - bi.retained["selective"]
         fwd_bwd = max(fwd_bwd, bi.bwd_start - inner + bi.bwd_excess["selective"])
@@ -287,16 +325,10 @@ def _selective_spans(
         simp += simplicity(n, i, "selective")
         if i > a:
             saved = kept - prev
-            t.add(
-                a,
-                i,
-                "selective",
-                True,
-                max(fwd_bwd, bi.bwd_start - saved + rec),
-                saved,
-                float(cost + cost_r),
-                simp + SPAN_COMPLEXITY * w * (i - a + 1),
-            )
+            _add_span(
+                t, a, i, "selective", fwd_bwd, after, bi.bwd_start - saved + rec, saved,
+                float(cost + cost_r), simp + SPAN_COMPLEXITY * w * (i - a + 1), freed, moved, w,
+            )  # fmt: skip
 
 
 def saved_range(t: Segments, n: int, budget: int) -> tuple[list[int], list[int]]:
@@ -677,13 +709,15 @@ def _walk(t: Segments, seg: list[torch.Tensor], parent: list[torch.Tensor], j: i
     return out[::-1]
 
 
-def unpack(t: Segments, rows: Sequence[int]) -> tuple[list[str], list[tuple[int, int]]]:
+def unpack(t: Segments, rows: Sequence[int]) -> tuple[list[str], list[tuple[int, ...]]]:
     """``(decisions, spans)`` of a plan given as segment rows in chain order."""
     decisions: list[str] = []
-    spans: list[tuple[int, int]] = []
+    spans: list[tuple[int, ...]] = []
     for k in rows:
         decisions.extend([t.decision[k]] * (t.last[k] - t.first[k] + 1))
-        if t.span[k]:
+        if t.span[k] == OFFLOADED:
+            spans.append((t.first[k], t.last[k], 1))
+        elif t.span[k]:
             spans.append((t.first[k], t.last[k]))
     return decisions, spans
 

@@ -168,4 +168,8 @@ def agree_profile(prof: Any) -> Any:
         return prof
     agree_same(structure(prof), "the profiled blocks and decisions")
     ints, floats = profile_numbers(prof)
-    return set_profile_numbers(prof, agree_max(ints), agree_max_float(floats))
+    out = set_profile_numbers(prof, agree_max(ints), agree_max_float(floats))
+    # a span input is offered for offload only where every rank found it free to move
+    for b, f in zip(out.blocks, agree_min([b.offload_input for b in prof.blocks])):
+        b.offload_input = f
+    return out

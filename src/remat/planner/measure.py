@@ -375,6 +375,7 @@ def profile(
     opt_terms = (0, 0, 0)
     mutating: set[str] = set()
     freed = [0] * len(names)
+    offload_inputs = [0] * len(names)
     shared = 0
     try:
         calls = _CallCount(names)
@@ -388,6 +389,11 @@ def profile(
                 ch.remove()
         calls.check(names)
         kept_outputs = _kept_outputs(model, blocks, names, args, kwargs, state)
+        if "offload" in decisions and len(names) >= 2:
+            offload_inputs = _offload_inputs(
+                model, blocks, names, args, kwargs, state,
+                [d for d in ("keep", "selective") if d in decisions],
+            )  # fmt: skip
         # A block that changes its input in place cannot be recomputed from that input
         # (the region keeps it; autograd raises when backward reads it): it is kept, alone.
         mutating = calls.mutating
@@ -456,6 +462,8 @@ def profile(
             b.retained["selective"] += f
             if b.bwd_excess["selective"] > -(2**62):  # a backward window was seen
                 b.bwd_excess["selective"] -= f  # its own backward: as measured
+    for b, f in zip(costs, offload_inputs):
+        b.offload_input = 0 if b.name in mutating else f
     for b in costs:
         dropped = [d for d in decisions if d != "keep"] if b.name in mutating else ["split"]
         if b.name in mutating or b.name not in splittable:
@@ -805,6 +813,64 @@ def _sizes(refs: list[weakref.ref[torch.Tensor]]) -> list[tuple[weakref.ref[torc
             seen.add(key)
             out.append((r, nbytes))
     return out
+
+
+def _offload_inputs(
+    model: nn.Module,
+    blocks: dict[str, nn.Module],
+    names: Sequence[str],
+    args: Any,
+    kwargs: Any,
+    state: Any,
+    before: Sequence[str],
+) -> list[int]:
+    """For each block, the bytes of its first argument (the input a span starting there
+    offloads) when nothing but the block itself holds it on the device once the block has
+    returned, whatever decision of ``before`` the block before takes; 0 where something does
+    (that block's graph saves its output, the model's code keeps it) or for a last block.
+
+    Forwards with gradients, no backward: every block under ``offload`` (its saved tensors in
+    host memory, so it holds its input on the device only while it runs), then, for each
+    ``d`` in ``before``, every other block under ``d`` (the blocks after them are probed).
+    A block's input is held when its storage is still alive as the next block starts.
+    """
+    n = len(names)
+    size = [0] * n
+    held = [n < 2] * (n - 1) + [True]  # a span needs a block after its first
+    mods = list(blocks.values())
+    patterns = [["offload"] * n] + [
+        [d if i % 2 == parity else "offload" for i in range(n)] for d in before for parity in (0, 1)
+    ]
+    for pattern in patterns:
+        refs: list[Any] = [None] * n
+
+        def pre(i: int, refs: list[Any] = refs, pattern: list[str] = pattern) -> Any:
+            def hook(module: Any, args: Any) -> None:
+                if i >= 1 and refs[i - 1] is not None and pattern[i - 1] == "offload":
+                    if refs[i - 1]() is not None:
+                        held[i - 1] = True
+                first = args[0] if args else None
+                if isinstance(first, torch.Tensor) and first.requires_grad:
+                    st = first.untyped_storage()
+                    refs[i] = weakref.ref(st)
+                    size[i] = st.nbytes()
+                else:
+                    held[i] = True  # no tensor argument a span could offload
+
+            return hook
+
+        for m, d in zip(mods, pattern):
+            apply_decision(m, d)
+        handles = [m.register_forward_pre_hook(pre(i)) for i, m in enumerate(mods)]
+        try:
+            state.reset_rng()
+            fresh_region()
+            out = model(*args, **kwargs)
+            del out
+        finally:
+            for h in handles:
+                h.remove()
+    return [0 if h else b for h, b in zip(held, size)]
 
 
 def _kept_outputs(

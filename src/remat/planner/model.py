@@ -121,6 +121,11 @@ class BlockCosts:
     (autocast's cached casts of its weights, which only ``keep`` saves for backward),
     and the last block's ``pre_exit[d]`` the peak of the head and the loss before the
     end, as a forward term (see :func:`activation_terms`). Both are empty otherwise.
+
+    ``offload_input`` is the bytes a span starting at this block frees on the device by
+    keeping its input in host memory (:func:`span_segment`), measured on a device where
+    nothing else holds that input once the block returns, whatever the block before does;
+    0 elsewhere (such a span is not offered).
     """
 
     name: str
@@ -136,6 +141,7 @@ class BlockCosts:
     noise: dict[str, float] = dataclasses.field(default_factory=dict)
     exit_freed: dict[str, int] = dataclasses.field(default_factory=dict)
     pre_exit: dict[str, int] = dataclasses.field(default_factory=dict)
+    offload_input: int = 0
 
 
 @dataclasses.dataclass
@@ -314,7 +320,9 @@ def block_segment(blocks: Sequence[BlockCosts], i: int, d: str) -> Segment:
     return Segment(i, i, d, False, max(fwd, bwd), where, saved, float(b.cost[d]))
 
 
-def span_segment(blocks: Sequence[BlockCosts], a: int, z: int, d: str) -> Segment:
+def span_segment(
+    blocks: Sequence[BlockCosts], a: int, z: int, d: str, offload: bool = False
+) -> Segment:
     """Blocks ``a..z`` as one checkpointed region, each block checkpointed inside it as ``d``.
 
     In forward only the span's input is kept: block ``i``'s output lives only
@@ -332,17 +340,39 @@ def span_segment(blocks: Sequence[BlockCosts], a: int, z: int, d: str) -> Segmen
     * backward of block ``i``: as block ``i`` alone under ``d``;
     * it saves ``sum_{a<=j<=z}(retained[j][keep] - R_j) + sum_{a<=j<z} R_j``;
     * it costs ``sum cost[j][d]`` plus blocks ``a..z-1`` once more (``cost[j][recompute]``).
+
+    ``offload``: the span's input is kept in host memory until its own backward asks for
+    it (``apply_span(offload_inputs=True, prefetch=False)``), which frees
+    ``F = offload_input[a]`` on the device once block ``a`` returns (the profile offers
+    ``F > 0`` only where nothing else holds it then): the forward terms of blocks
+    ``a+1..z`` are lower by ``F``, the span saves ``F`` more for every segment after it
+    (their forward and backward come before the span's backward, which brings the input
+    back, so its own backward terms are unchanged), and it costs the two copies
+    (:func:`input_offload_cost`).
     """
+    freed = _freed(blocks, a, offload)
     if d == "keep":
-        return _keep_span_segment(blocks, a, z)
-    if d == "selective":
-        return _selective_span_segment(blocks, a, z)
+        seg = _keep_span_segment(blocks, a, z, freed)
+    elif d == "selective":
+        seg = _selective_span_segment(blocks, a, z, freed)
+    else:
+        seg = _nested_span_segment(blocks, a, z, d, freed)
+    if not offload:
+        return seg
+    return dataclasses.replace(seg, cost=seg.cost + input_offload_cost(blocks, a))
+
+
+def _nested_span_segment(
+    blocks: Sequence[BlockCosts], a: int, z: int, d: str, freed: int
+) -> Segment:
+    """Blocks ``a..z`` as one region, each checkpointed inside it as ``d`` (``recompute``,
+    ``split``); see :func:`span_segment`."""
     peak, where = -(2**62), ""
     inner = 0  # what blocks a..i-1 under d alone would have saved
     for i in range(a, z + 1):
         b = blocks[i]
         dropped = sum(blocks[j].retained[d] for j in range(a, i - 1))
-        v = b.fwd_start - inner - dropped + b.fwd_excess[d]
+        v = b.fwd_start - inner - dropped + b.fwd_excess[d] - (freed if i > a else 0)
         if v > peak:
             peak, where = v, f"forward of {b.name!r}"
         inner += b.retained["keep"] - b.retained[d]
@@ -359,10 +389,37 @@ def span_segment(blocks: Sequence[BlockCosts], a: int, z: int, d: str) -> Segmen
     cost = sum(blocks[j].cost[d] for j in range(a, z + 1)) + sum(
         blocks[j].cost.get("recompute", 0.0) for j in range(a, z)
     )
-    return Segment(a, z, d, True, peak, where, saved, float(cost))
+    return Segment(a, z, d, True, peak, where, saved + freed, float(cost))
 
 
-def _keep_span_segment(blocks: Sequence[BlockCosts], a: int, z: int) -> Segment:
+def _freed(blocks: Sequence[BlockCosts], a: int, offload: bool) -> int:
+    if not offload:
+        return 0
+    if blocks[a].offload_input <= 0:
+        raise ValueError(
+            f"a span from {blocks[a].name!r} cannot offload its input: the profile found it "
+            "held by something else once the block returns (or it was measured on CPU, or "
+            "without 'offload' among the decisions); drop the span's offload."
+        )
+    return blocks[a].offload_input
+
+
+def input_offload_cost(blocks: Sequence[BlockCosts], a: int) -> float:
+    """What offloading block ``a``'s input costs: its bytes at the per-byte cost of the
+    ``offload`` decision (the median over blocks of ``cost[offload]`` per byte it moves to
+    host memory, ``retained[keep] - retained[offload]``); 0 without that decision (FLOPs:
+    copies do no arithmetic)."""
+    rates = sorted(
+        b.cost["offload"] / (b.retained["keep"] - b.retained["offload"])
+        for b in blocks
+        if "offload" in b.cost and b.retained.get("keep", 0) > b.retained.get("offload", 0)
+    )
+    if not rates:
+        return 0.0
+    return float(blocks[a].offload_input * rates[len(rates) // 2])
+
+
+def _keep_span_segment(blocks: Sequence[BlockCosts], a: int, z: int, freed: int = 0) -> Segment:
     """Blocks ``a..z`` as one checkpointed region, the blocks plain inside it (``inner="keep"``).
 
     Forward is that of a span with ``recompute`` inside (every saved tensor dropped, only
@@ -389,6 +446,7 @@ def _keep_span_segment(blocks: Sequence[BlockCosts], a: int, z: int) -> Segment:
     for i in range(a, z + 1):
         b = blocks[i]
         dropped = sum(blocks[j].retained["recompute"] for j in range(a, i - 1))
+        dropped += freed if i > a else 0
         see(b.fwd_start - inner - dropped + b.fwd_excess["recompute"], f"forward of {b.name!r}")
         inner += b.retained["keep"] - b.retained["recompute"]
     saved = inner + sum(blocks[j].retained["recompute"] for j in range(a, z))
@@ -407,10 +465,12 @@ def _keep_span_segment(blocks: Sequence[BlockCosts], a: int, z: int) -> Segment:
         b = blocks[i]
         see(b.bwd_start + b.bwd_excess["keep"], f"backward of {b.name!r}")
     cost = sum(blocks[j].cost["recompute"] for j in range(a, z + 1))
-    return Segment(a, z, "keep", True, peak, where, saved, float(cost))
+    return Segment(a, z, "keep", True, peak, where, saved + freed, float(cost))
 
 
-def _selective_span_segment(blocks: Sequence[BlockCosts], a: int, z: int) -> Segment:
+def _selective_span_segment(
+    blocks: Sequence[BlockCosts], a: int, z: int, freed: int = 0
+) -> Segment:
     """Blocks ``a..z`` as one checkpointed region, each a selective region inside it
     (``inner="selective"``: the outputs the policy saves are handed to the span).
 
@@ -441,7 +501,7 @@ def _selective_span_segment(blocks: Sequence[BlockCosts], a: int, z: int) -> Seg
     inner = 0  # sum_{a<=j<=i} (K_j - S_j): what the blocks alone under selective save
     for i in range(a, z + 1):
         b = blocks[i]
-        prev = blocks[i - 1].retained["recompute"] if i > a else 0
+        prev = blocks[i - 1].retained["recompute"] - freed if i > a else 0
         see(b.fwd_start - kept + prev + b.fwd_excess["selective"], f"forward of {b.name!r}")
         kept += b.retained["keep"]
         inner += b.retained["keep"] - b.retained["selective"]
@@ -459,15 +519,17 @@ def _selective_span_segment(blocks: Sequence[BlockCosts], a: int, z: int) -> Seg
     cost = sum(blocks[j].cost["selective"] for j in range(a, z + 1)) + sum(
         blocks[j].cost["recompute"] for j in range(a, z + 1)
     )
-    return Segment(a, z, "selective", True, peak, where, saved, float(cost))
+    return Segment(a, z, "selective", True, peak, where, saved + freed, float(cost))
 
 
 def layout(
     blocks: Sequence[BlockCosts], decisions: Sequence[str], spans: Sequence[Sequence[int]] = ()
 ) -> list[Segment]:
     """The segments of a plan: ``spans`` are ``(first, last)`` block indices, ascending and
-    disjoint; the blocks inside a span take their ``decisions`` (``recompute`` or ``split``)."""
-    starts = {int(a): int(z) for a, z in spans}
+    disjoint, or ``(first, last, 1)`` for a span whose input is offloaded (see
+    :func:`span_segment`); the blocks inside a span take their ``decisions``."""
+    starts = {int(sp[0]): int(sp[1]) for sp in spans}
+    offloaded = {int(sp[0]) for sp in spans if len(sp) > 2 and sp[2]}
     out = []
     i = 0
     while i < len(blocks):
@@ -481,7 +543,7 @@ def layout(
                     f"{sorted(inner)} for blocks {i}..{z}; give the span's blocks one of these "
                     "decisions, or drop the span."
                 )
-            out.append(span_segment(blocks, i, z, decisions[i]))
+            out.append(span_segment(blocks, i, z, decisions[i], i in offloaded))
             i = z + 1
         else:
             out.append(block_segment(blocks, i, decisions[i]))

@@ -16,6 +16,7 @@ from .model import (
     exit_view,
     fmt_bytes,
     has_exit,
+    input_offload_cost,
     parse_budget,
     predicted_cost,
 )
@@ -57,6 +58,9 @@ class Plan:
             al.'s segments; ``recompute`` or ``split``: checkpointed inside it too).
         scratch_bytes: the largest scratch one operator allocates inside
             (``Profile.scratch_bytes``), added to the predicted peak for the budget.
+        offloaded_spans: the spans (of ``spans``) whose input is kept in host memory
+            until their own backward asks for it (on a device:
+            ``apply_span(offload_inputs=True, prefetch=False)``).
     """
 
     decisions: dict[str, str]
@@ -73,6 +77,7 @@ class Plan:
     peak_movable: bool = True
     spans: list[list[str]] = dataclasses.field(default_factory=list)
     scratch_bytes: int = 0
+    offloaded_spans: list[list[str]] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> str:
         """Plain JSON (no pickle)."""
@@ -104,12 +109,15 @@ class Plan:
         dw = max([10] + [len(d) + 2 for d in self.decisions.values()])
         if self.spans:
             dw = max(dw, max(len(f"recompute in span {a}..{b}") + 2 for a, b in self.spans))
+            if self.offloaded_spans:
+                dw += len(" (input offloaded)")
         lines = [f"{'module':<{w}}  {'decision':<{dw}}{'saves':>12}{'adds':>14}"]
         in_span = {}
         names = list(self.decisions)
+        moved = {first for first, _ in self.offloaded_spans}
         for first, last in self.spans:
             for n in names[names.index(first) : names.index(last) + 1]:
-                in_span[n] = f"{first}..{last}"
+                in_span[n] = f"{first}..{last}" + (" (input offloaded)" if first in moved else "")
         for name, d in self.decisions.items():
             if name in in_span:
                 d = f"{d} in span {in_span[name]}"
@@ -292,7 +300,7 @@ def plan(
     if floor.bytes + scratch > budget_bytes:
         raise PlanError(_miss(budget_bytes, floor, unchecked, scratch))
     if shared and keep_all.bytes + scratch <= budget_bytes:
-        found: tuple[list[str], list[tuple[int, int]]] | None = (["keep"] * len(blocks), [])
+        found: tuple[list[str], list[tuple[int, ...]]] | None = (["keep"] * len(blocks), [])
     else:
         found = None
         # Where an autocast region ends before backward the solvers' single running sum
@@ -317,19 +325,26 @@ def plan(
     decisions, chosen_spans = found
     peak = profile.peak(decisions, chosen_spans)
     added = {b.name: float(b.cost[d]) for b, d in zip(blocks, decisions)}
-    for a, z in chosen_spans:
+    moved = [(sp[0], sp[1]) for sp in chosen_spans if len(sp) > 2 and sp[2]]
+    for sp in chosen_spans:
+        a, z = sp[0], sp[1]
         # the span's recompute runs its blocks once more: all of them when they are plain
         # or selective inside it, all but the last when each is checkpointed inside it
         whole = decisions[a] in ("keep", "selective")
         for j in range(a, z + 1 if whole else z):
             added[blocks[j].name] += float(blocks[j].cost.get("recompute", 0.0))
+    for a, _ in moved:  # the copies of the offloaded input
+        added[blocks[a].name] += input_offload_cost(blocks, a)
     saved = {b.name: b.retained["keep"] - b.retained[d] for b, d in zip(blocks, decisions)}
-    for a, z in chosen_spans:  # block outputs inside a span are not kept either
+    for sp in chosen_spans:  # block outputs inside a span are not kept either
+        a, z = sp[0], sp[1]
         for j in range(a, z):
             saved[blocks[j].name] += blocks[j].retained[decisions[j]]
         if decisions[a] in ("keep", "selective"):  # the last block leaves its output only
             r = blocks[z].retained
             saved[blocks[z].name] = r["keep"] - r["recompute"]
+    for a, _ in moved:  # nor is the offloaded input, on the device
+        saved[blocks[a].name] += blocks[a].offload_input
     return Plan(
         decisions={b.name: d for b, d in zip(blocks, decisions)},
         predicted_peak_bytes=peak.bytes,
@@ -343,8 +358,9 @@ def plan(
         peak_at=peak.where,
         breakdown=peak.breakdown,
         peak_movable=peak.movable,
-        spans=[[blocks[a].name, blocks[z].name] for a, z in chosen_spans],
+        spans=[[blocks[sp[0]].name, blocks[sp[1]].name] for sp in chosen_spans],
         scratch_bytes=scratch,
+        offloaded_spans=[[blocks[a].name, blocks[z].name] for a, z in moved],
     )
 
 

@@ -68,7 +68,7 @@ def solve_chain(
     cost_cap: float | None = None,
     chained: Sequence[bool] | None = None,
     held: Sequence[bool] | None = None,
-) -> tuple[list[str], list[tuple[int, int]]] | None:
+) -> tuple[list[str], list[tuple[int, ...]]] | None:
     """Exact optimum over per-block decisions and spans of consecutive blocks.
 
     The chain dynamic program of :mod:`remat.planner.chain` (Chen et al. 2016,
@@ -101,7 +101,7 @@ def solve(
     max_span: int = 1,
     chained: Sequence[bool] | None = None,
     held: Sequence[bool] | None = None,
-) -> tuple[list[str], list[tuple[int, int]]] | None:
+) -> tuple[list[str], list[tuple[int, ...]]] | None:
     """The simplest plan within ``tolerance`` of the least cost: ``(decisions, spans)``, or
     ``None`` when none fits. ``max_span > 1`` allows spans (solved by :func:`solve_chain`);
     otherwise ``solver`` picks the MILP or the per-block DP."""
@@ -329,7 +329,7 @@ def smallest_chain(
     max_span: int,
     chained: Sequence[bool] | None = None,
     held: Sequence[bool] | None = None,
-) -> tuple[list[str], list[tuple[int, int]]]:
+) -> tuple[list[str], list[tuple[int, ...]]]:
     """A plan (with spans up to ``max_span`` blocks, joining blocks only where ``chained``
     and ``held`` allow: :func:`~remat.planner.chain.span_end`) of the smallest predicted
     activation peak."""
