@@ -7,7 +7,10 @@ identical blocks and of heterogeneous (random) blocks, at budgets from the floor
 the unchecked peak, with no tolerance (FLOP costs) and with a timing tolerance.
 Single-threaded by default (``torch.set_num_threads(1)``).
 
-Run: python benchmarks/solve_time.py [--blocks 100] [--max-span 16] [--json out.json]
+``--offload``: a device's profile: the ``offload`` decision as well, and every span
+may also offload its input (twice the span rows).
+
+Run: python benchmarks/solve_time.py [--blocks 100] [--max-span 16] [--offload] [--json out.json]
 """
 
 from __future__ import annotations
@@ -28,10 +31,14 @@ from remat.planner.solve import smallest_chain, solve
 DECS = ("keep", "recompute", "selective", "split")
 
 
-def chain(n: int, seed: int, identical: bool) -> tuple[list[BlockCosts], int]:
+def chain(
+    n: int, seed: int, identical: bool, offload: bool = False
+) -> tuple[list[BlockCosts], int]:
     """Blocks with the shape of a transformer's (keep saves most, recompute and split keep
-    the input); ``identical``: one block's terms repeated, as equalize_costs leaves them."""
+    the input); ``identical``: one block's terms repeated, as equalize_costs leaves them;
+    ``offload``: with the ``offload`` decision and span-input offload (a device)."""
     rng = random.Random(seed)
+    decs = (*DECS, "offload") if offload else DECS
 
     def terms() -> dict[str, dict[str, float]]:
         keep = rng.randint(300, 400)
@@ -41,19 +48,22 @@ def chain(n: int, seed: int, identical: bool) -> tuple[list[BlockCosts], int]:
                 "selective": rng.randint(100, 200),
                 "recompute": rng.randint(20, 30),
                 "split": rng.randint(40, 60),
+                "offload": rng.randint(20, 30),
             },
-            "fwd_excess": {d: rng.randint(30, 80) for d in DECS},
+            "fwd_excess": {d: rng.randint(30, 80) for d in decs},
             "bwd_excess": {
                 "keep": rng.randint(40, 60),
                 "selective": rng.randint(150, 250),
                 "recompute": rng.randint(350, 450),
                 "split": rng.randint(150, 250),
+                "offload": rng.randint(60, 120),
             },
             "cost": {
                 "keep": 0.0,
                 "selective": rng.uniform(0.2, 0.4),
                 "recompute": rng.uniform(0.9, 1.1),
                 "split": rng.uniform(1.1, 1.4),
+                "offload": rng.uniform(1.0, 2.0),
             },
         }
 
@@ -65,12 +75,13 @@ def chain(n: int, seed: int, identical: bool) -> tuple[list[BlockCosts], int]:
         blocks.append(
             BlockCosts(
                 name=f"layers.{i}",
-                retained=dict(t["retained"]),  # type: ignore[arg-type]
-                fwd_excess=dict(t["fwd_excess"]),  # type: ignore[arg-type]
-                bwd_excess=dict(t["bwd_excess"]),  # type: ignore[arg-type]
-                cost=dict(t["cost"]),
+                retained={d: int(t["retained"][d]) for d in decs},
+                fwd_excess={d: int(t["fwd_excess"][d]) for d in decs},
+                bwd_excess={d: int(t["bwd_excess"][d]) for d in decs},
+                cost={d: t["cost"][d] for d in decs},
                 fwd_start=live,
                 bwd_start=0,
+                offload_input=int(t["retained"]["recompute"]) if offload else 0,
             )
         )
         live += int(t["retained"]["keep"])
@@ -95,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-span", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--offload", action="store_true", help="a device's profile (see above)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -105,13 +117,15 @@ def main(argv: list[str] | None = None) -> int:
         "threads": torch.get_num_threads(),
         "blocks": args.blocks,
         "max_span": args.max_span,
+        "offload": args.offload,
     }
+    decs = (*DECS, "offload") if args.offload else DECS
     print("environment:", env)
     rows = []
     n = args.blocks
     for kind in ("identical", "heterogeneous"):
-        blocks, top = chain(n, 0, kind == "identical")
-        floor_s, floor = timed(smallest_chain, blocks, top, DECS, args.max_span)
+        blocks, top = chain(n, 0, kind == "identical", args.offload)
+        floor_s, floor = timed(smallest_chain, blocks, top, decs, args.max_span)
         lo = predicted_peak(blocks, top, floor[0], 0, floor[1])  # type: ignore[index]
         hi = predicted_peak(blocks, top, ["keep"] * n)
         for frac in (0.0, 0.25, 0.5, 0.75):
@@ -122,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                     blocks,
                     top,
                     budget,
-                    DECS,
+                    decs,
                     tolerance=tolerance,
                     max_span=args.max_span,
                     repeat=args.repeat,
@@ -136,12 +150,13 @@ def main(argv: list[str] | None = None) -> int:
                     "solve_s": round(s, 4),
                     "cost": round(predicted_cost(blocks, ds, spans), 3),
                     "spans": len(spans),
+                    "offloaded_spans": sum(len(sp) > 2 for sp in spans),
                 }
                 rows.append(row)
                 print(
                     f"{kind:13s} {row['budget']:12s} tolerance {tolerance:<4} "
                     f"floor {floor_s * 1e3:6.1f} ms  solve {s * 1e3:7.1f} ms  "
-                    f"cost {row['cost']:8.3f}  spans {len(spans)}",
+                    f"cost {row['cost']:8.3f}  spans {len(spans)} ({row['offloaded_spans']} offloaded)",
                     flush=True,
                 )
     worst = max(r["floor_s"] + r["solve_s"] for r in rows)
