@@ -244,3 +244,29 @@ def test_plan_profiles_the_builtin_model_without_a_factory(capsys):
 def test_plan_model_flag_is_for_the_builtin_model_only(capsys):
     assert main(["plan", "pkg:make", "--model", "gpt", "--budget", "60%"]) == 2
     assert "--model gpt picks a built-in model" in capsys.readouterr().err
+
+
+SMALL = """
+import torch
+
+def make():
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU(),
+                                  torch.nn.Linear(128, 32)) for _ in range(3)]
+    return torch.nn.Sequential(*blocks), (torch.randn(512, 32),)
+"""
+
+
+def test_plan_autocast_plans_the_mixed_precision_recipe(tmp_path, capsys):
+    # the bf16 step holds half-precision weight copies in forward: another unchecked peak
+    (tmp_path / "small.py").write_text(SMALL)
+    target = f"{tmp_path / 'small.py'}:make"
+    args = ["plan", target, "--budget", "60%", "--timer", "flops"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main([*args, "--autocast", "bfloat16"]) == 0
+    amp = capsys.readouterr().out
+    assert "predicted step peak" in amp
+    peak = [line for line in amp.splitlines() if "unchecked step peak" in line]
+    assert peak and peak != [line for line in plain.splitlines() if "unchecked step peak" in line]
+    assert not torch.is_autocast_enabled("cpu")  # the region ended with the command

@@ -18,6 +18,7 @@ where it was raised.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from .._errors import PlanError
+from .._modelinfo import device_of
 from ..planner.measure import profile
 from ..planner.model import fmt_bytes as _fmt
 from ..planner.model import parse_budget
@@ -78,6 +80,14 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--timer", choices=("time", "flops"), default="time", help="cost measure")
     p.add_argument(
+        "--autocast",
+        choices=tuple(AUTOCAST),
+        default=None,
+        help="your loop is torch's mixed-precision recipe: forward and loss in a "
+        "torch.autocast region of this dtype on the model's device, backward and the "
+        "optimizer step after it (default: no autocast)",
+    )
+    p.add_argument(
         "--solver",
         choices=("auto", "milp", "dp"),
         default="auto",
@@ -91,6 +101,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", metavar="FILE", default=None, help="also write the plan as JSON")
     p.set_defaults(run=main)
 
+
+#: ``--autocast`` names and their dtypes.
+AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 #: ``--optimizer`` names and how each optimizer is made (torch's default hyper-parameters).
 OPTIMIZERS: dict[str, Any] = {
@@ -247,9 +260,18 @@ def main(args: argparse.Namespace) -> int:
         try:
             make = OPTIMIZERS[args.optimizer]
             opt = None if make is None else make(model.parameters())
-            prof = profile(
-                model, *example, optimizer=opt, set_to_none=not args.keep_grads, timer=args.timer
-            )
+            region: Any = contextlib.nullcontext()
+            if args.autocast is not None:  # planned inside it: see remat.planner.amp
+                device = device_of(model, example)
+                region = torch.autocast(device.type, dtype=AUTOCAST[args.autocast])
+            with region:
+                prof = profile(
+                    model,
+                    *example,
+                    optimizer=opt,
+                    set_to_none=not args.keep_grads,
+                    timer=args.timer,
+                )
         except Exception as e:  # the model cannot be run or planned as given
             if isinstance(e, PlanError) or str(e).startswith("remat."):
                 raise RunError(str(e)) from None  # remat's own message says what to change
