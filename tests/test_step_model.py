@@ -996,3 +996,45 @@ def test_a_mask_the_forward_passes_to_every_block_is_counted_once_a_block_is_che
     two = RotaryLM(depth=2)
     prof2 = remat.profile(two, idx, pad, optimizer=None, loss_fn=_token_loss, timer="flops")
     assert prof2.shared_bytes == 8 * 64 * 64
+
+
+class _HiddenList(torch.nn.Module):
+    """Dropout-first blocks (a kept block saves none of its input) and the model's list of
+    every residual-stream tensor, alive until forward returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(
+                torch.nn.Dropout(0.1), torch.nn.Linear(32, 128), torch.nn.Tanh(),
+                torch.nn.Linear(128, 32),
+            )  # fmt: skip
+            for _ in range(4)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        feats = []
+        for b in self.blocks:
+            x = x + b(x)
+            feats.append(x)
+        return x.square().mean() + 0 * len(feats)
+
+
+def test_inputs_the_model_keeps_to_the_end_of_forward_are_held_into_backward_by_a_checkpoint():
+    # Under keep such an input dies when forward returns; a checkpointed block holds it into
+    # its backward, and it is alive in the backward of every block after it. The profile
+    # counted it in every decision's forward window, so (recompute, keep, ...) was predicted
+    # one tensor (32 KB) low.
+    torch.manual_seed(0)
+    model, x = _HiddenList(), torch.randn(256, 32)
+    prof = remat.profile(model, x, optimizer=None, timer="flops")
+    # block 0's input is the caller's: alive after the step whatever the plan
+    assert [b.exit_freed.get("keep", 0) for b in prof.blocks] == [0] + [x.nbytes] * 3
+    wrong = []
+    for ds in itertools.product(["keep", "recompute", "selective"], repeat=4):
+        for b, d in zip(model.blocks, ds):
+            apply_decision(b, d)
+        measured = remat.measure_peak(model, x, optimizer=None)
+        if prof.peak(list(ds)).bytes != measured:
+            wrong.append((ds, prof.peak(list(ds)).bytes - measured))
+    assert not wrong

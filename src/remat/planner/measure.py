@@ -53,6 +53,7 @@ from .apply import apply_decision, restore_state, snapshot_state
 from .distributed import active, agree_profile, agree_same
 from .model import (
     DECISIONS,
+    HOLD_INPUTS,
     BlockCosts,
     StepPeak,
     Timeline,
@@ -376,6 +377,7 @@ def profile(
     mutating: set[str] = set()
     freed = [0] * len(names)
     offload_inputs = [0] * len(names)
+    held_to_end = [0] * len(names)
     shared = 0
     try:
         calls = _CallCount(names)
@@ -423,7 +425,7 @@ def profile(
                     if frees is not None:
                         frees.remove()
             if frees is not None:
-                freed, shared = frees.freed, frees.shared
+                freed, shared, held_to_end = frees.freed, frees.shared, frees.held_to_end
             lines[d] = watch.line
             if d == "keep" and optimizer is not None:  # on this step's gradients
                 opt_terms = _optimizer_terms(state, optimizer, counted)
@@ -462,6 +464,7 @@ def profile(
             b.retained["selective"] += f
             if b.bwd_excess["selective"] > -(2**62):  # a backward window was seen
                 b.bwd_excess["selective"] -= f  # its own backward: as measured
+    _held_to_end(costs, held_to_end)
     for b, f in zip(costs, offload_inputs):
         b.offload_input = 0 if b.name in mutating else f
     for b in costs:
@@ -514,6 +517,27 @@ def _offloads(model: nn.Module, args: Any) -> bool:
     found: list[torch.Tensor] = []
     tensors_in(args, found)
     return any(moves_to_host(t) for t in [*found[:1], *list(model.parameters())[:1]])
+
+
+def _held_to_end(costs: list[BlockCosts], held: Sequence[int]) -> None:
+    """Inputs that live to the end of forward and then die under ``keep`` (the model's code
+    keeps them, a list of hidden states; the block saves none of them, or only autocast's
+    copy), while a checkpoint of the block holds them into its backward: counted as kept in
+    forward and not after it under ``keep`` and ``offload`` (``exit_freed``, in place), so
+    the backward terms of a checkpointed block and of every block after it have them."""
+    total = 0
+    for b, h in zip(costs, held):
+        if h:
+            x = dict(b.exit_freed) or dict.fromkeys(b.retained, 0)
+            for d in ("keep", "offload"):
+                if d in b.retained:
+                    b.retained[d] -= h
+                    x[d] = x.get(d, 0) + h
+            b.exit_freed = x
+        total += h  # the uniform lines held these into backward: not the blocks' own excess
+        for d in HOLD_INPUTS:
+            if total and d in b.bwd_excess and b.bwd_excess[d] > -(2**62):
+                b.bwd_excess[d] -= total
 
 
 def candidate_modules(
@@ -728,6 +752,14 @@ class _InputFrees:
         self.shared = 0
         self.outs: list[list[weakref.ref[torch.Tensor]]] = [[] for _ in range(n)]
         self.passed: list[list[tuple[weakref.ref[torch.Tensor], int]]] = [[] for _ in range(n)]
+        # each block's tensor arguments (but the model's inputs, parameters and buffers), and
+        # those of them still alive when its window ends (the next block starts; the last
+        # block's: when it returns): the ones that then die when the forward returns are
+        # held into backward only by a checkpoint of the block (``held_to_end``)
+        self.inputs: list[list[tuple[weakref.ref[torch.Tensor], int]]] = [[] for _ in range(n)]
+        self.alive: list[list[tuple[weakref.ref[torch.Tensor], int]]] = [[] for _ in range(n)]
+        self.held_to_end = [0] * n
+        self.many: set[int] = set()  # storages of tensors passed to two or more blocks
         index = {name: i for i, name in enumerate(names)}
         self.handles = []
         for name, m in blocks.items():
@@ -745,8 +777,11 @@ class _InputFrees:
             got: list[torch.Tensor] = []
             tensors_in((args, kwargs), got)
             self._seen(got, i)
+            mine = [t for t in got if id(t) not in self.outside and not _storage(t) & self.many]
+            self.inputs[i] = _sizes([weakref.ref(t) for t in mine])
             if i == 0:
                 return
+            self.alive[i - 1] = [(r, b) for r, b in self.inputs[i - 1] if r() is not None]
             self.passed[i - 1] = _sizes([r for r in self.outs[i - 1] if any(r() is t for t in got)])
             if i >= 2:
                 self.freed[i - 2] = _dead(self.passed[i - 2])
@@ -763,6 +798,11 @@ class _InputFrees:
                 ref, count = weakref.ref(t), 0
                 self.arg_sizes[id(t)] = _sizes([ref])  # read while it is alive
             self.args[id(t)] = (ref, count + 1)
+            if count + 1 >= 2:  # shared: not one block's input (Profile.shared_bytes)
+                self.many |= _storage(t)
+                for j in range(i):
+                    self.inputs[j] = [(r, b) for r, b in self.inputs[j] if r() is not t]
+                    self.alive[j] = [(r, b) for r, b in self.alive[j] if r() is not t]
 
     def _post(self, i: int) -> Callable[..., None]:
         def hook(module: Any, args: Any, out: Any) -> None:
@@ -773,6 +813,7 @@ class _InputFrees:
             self.outs[i] = [weakref.ref(t) for t in got]
             if i == self.last:
                 self.out_sizes = _sizes(self.outs[i])
+                self.alive[i] = [(r, b) for r, b in self.inputs[i] if r() is not None]
 
         return hook
 
@@ -787,10 +828,20 @@ class _InputFrees:
             s for key, (_, count) in self.args.items() if count >= 2 for s in self.arg_sizes[key]
         ]
         self.shared = _dead(shared)
+        self.held_to_end = [_dead(alive) for alive in self.alive]
 
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+def _storage(t: torch.Tensor) -> set[int]:
+    """``{data_ptr}`` of ``t``'s storage (empty for none: a tensor subclass, an empty one)."""
+    try:
+        st = t.untyped_storage()
+        return {st.data_ptr()} if st.nbytes() else set()
+    except (RuntimeError, NotImplementedError):
+        return set()
 
 
 def _dead(sized: list[tuple[weakref.ref[torch.Tensor], int]]) -> int:
