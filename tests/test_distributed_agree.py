@@ -79,3 +79,15 @@ def test_watched_storages_shrink_before_they_grow():
     assert t.peak_bytes == 40  # the -400 and +400 net out before the new tensor's 40
     assert t.current_bytes == 40
     del c
+
+
+def test_a_profile_with_the_autocast_terms_round_trips_and_differs_in_structure():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        amp = remat.profile(model, torch.randn(8, 16, requires_grad=True), timer="flops")
+    assert amp.blocks[-1].pre_exit and any(b.exit_freed for b in amp.blocks)
+    ints, floats = profile_numbers(amp)
+    assert set_profile_numbers(amp, ints, floats) == amp
+    plain = remat.profile(model, torch.randn(8, 16, requires_grad=True), timer="flops")
+    assert structure(amp) != structure(plain)  # ranks must not mix them

@@ -196,6 +196,16 @@ def scenario_ddp_auto(rank: int) -> dict:
     return out
 
 
+def scenario_ddp_amp(rank: int) -> dict:
+    # torch's bf16 AMP recipe: planned inside the region (each rank's batch differs)
+    x = _batch(rank)
+    model = _ddp({})
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        p = remat.auto_checkpoint(model, x, budget="75%", quiet=True)
+        measured = remat.measure_peak(model, x)
+    return {"plan": p.to_json(), "measured": measured}
+
+
 def scenario_different_blocks(rank: int) -> dict:
     model = build(CFG)
     layers = 4 if rank == 0 else 3
@@ -279,3 +289,11 @@ def test_ranks_with_different_blocks_all_raise(tmp_path):
     results = run_ranks(tmp_path, "different_blocks")
     for res in results:
         assert res["raised"] and "disagree" in res["raised"], res
+
+
+def test_ddp_ranks_plan_the_amp_recipe_alike_within_budget(tmp_path):
+    results = run_ranks(tmp_path, "ddp_amp")
+    for res in results:
+        assert "error" not in res, res.get("error")
+    plan = _same_plan_within_budget(results)
+    assert set(plan.decisions.values()) != {"keep"}
