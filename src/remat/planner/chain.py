@@ -250,6 +250,7 @@ def _keep_spans(
     kept_prev = 0  # P_{i-1}
     fwd_peak = NEVER  # the forward term of block a
     after = NEVER  # the forward terms of blocks a+1..i
+    held = blocks[a].held_to_end  # the span's input, freed at forward's end under keep
     restored = 0  # sum_{a<=j<i} retained[j][keep]
     rec = NEVER  # max_{a<=j<i} restored_j + fwd_excess[j][keep]
     bwd = NEVER  # max_{a<=j<i} bwd_start[j] + bwd_excess[j][keep]
@@ -270,7 +271,7 @@ def _keep_spans(
         simp += simplicity(n, i, "keep")
         if i > a:
             saved = inner + kept
-            last = bi.bwd_start - (bi.retained["keep"] - r) + bi.bwd_excess["recompute"]
+            last = bi.bwd_start - (bi.retained["keep"] - r) + bi.bwd_excess["recompute"] + held
             rest = max(bi.bwd_start - saved + rec, last, bwd)
             _add_span(
                 t, a, i, "keep", fwd_peak, after, rest, saved, float(cost),
@@ -278,7 +279,7 @@ def _keep_spans(
             )  # fmt: skip
         rec = max(rec, restored + bi.fwd_excess["keep"])
         restored += bi.retained["keep"]
-        bwd = max(bwd, bi.bwd_start + bi.bwd_excess["keep"])
+        bwd = max(bwd, bi.bwd_start + bi.bwd_excess["keep"] + held)
         kept_prev = kept
         kept += r
 

@@ -106,7 +106,7 @@ _INT_FIELDS = (
     "optimizer_first_bytes", "optimizer_later_bytes", "end_bytes", "end_grads", "top_grads", "scratch_bytes",
     "shared_bytes",
 )  # fmt: skip
-_BLOCK_INTS = ("fwd_start", "bwd_start", "input_bytes", "param_bytes", "bwd_grads")
+_BLOCK_INTS = ("fwd_start", "bwd_start", "input_bytes", "param_bytes", "bwd_grads", "held_to_end")
 _BLOCK_INT_DICTS = ("retained", "fwd_excess", "bwd_excess", "exit_freed", "pre_exit")
 _BLOCK_FLOAT_DICTS = ("cost", "noise")
 

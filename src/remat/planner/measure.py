@@ -377,6 +377,7 @@ def profile(
     mutating: set[str] = set()
     freed = [0] * len(names)
     offload_inputs = [0] * len(names)
+    held_before = [0] * len(names)
     held_to_end = [0] * len(names)
     shared = 0
     try:
@@ -392,7 +393,7 @@ def profile(
         calls.check(names)
         kept_outputs = _kept_outputs(model, blocks, names, args, kwargs, state)
         if "offload" in decisions and len(names) >= 2:
-            offload_inputs = _offload_inputs(
+            offload_inputs, held_before = _offload_inputs(
                 model, blocks, names, args, kwargs, state,
                 [d for d in ("keep", "selective") if d in decisions],
             )  # fmt: skip
@@ -465,8 +466,13 @@ def profile(
             if b.bwd_excess["selective"] > -(2**62):  # a backward window was seen
                 b.bwd_excess["selective"] -= f  # its own backward: as measured
     _held_to_end(costs, held_to_end)
-    for b, f in zip(costs, offload_inputs):
+    for b, f, h in zip(costs, offload_inputs, held_before):
         b.offload_input = 0 if b.name in mutating else f
+        if h and "offload" in b.retained:
+            # The offload line freed this block's input as it ran; after a kept or selective
+            # block that saved it, it lives on: counted as held (high by ``h`` after a block
+            # that does not hold it, never low).
+            b.retained["offload"] += h
     for b in costs:
         dropped = [d for d in decisions if d != "keep"] if b.name in mutating else ["split"]
         if b.name in mutating or b.name not in splittable:
@@ -527,6 +533,7 @@ def _held_to_end(costs: list[BlockCosts], held: Sequence[int]) -> None:
     the backward terms of a checkpointed block and of every block after it have them."""
     total = 0
     for b, h in zip(costs, held):
+        b.held_to_end = h
         if h:
             x = dict(b.exit_freed) or dict.fromkeys(b.retained, 0)
             for d in ("keep", "offload"):
@@ -874,11 +881,14 @@ def _offload_inputs(
     kwargs: Any,
     state: Any,
     before: Sequence[str],
-) -> list[int]:
+) -> tuple[list[int], list[int]]:
     """For each block, the bytes of its first argument (the input a span starting there
     offloads) when nothing but the block itself holds it on the device once the block has
     returned, whatever decision of ``before`` the block before takes; 0 where something does
     (that block's graph saves its output, the model's code keeps it) or for a last block.
+    Second, per block, the bytes of that argument when it dies as the block returns with
+    every block offloaded but lives on when the block before is kept or selective (its
+    ``tanh`` or ``relu`` saved it): the ``offload`` line then counts it freed, a pair effect.
 
     Forwards with gradients, no backward: every block under ``offload`` (its saved tensors in
     host memory, so it holds its input on the device only while it runs), then, for each
@@ -888,17 +898,24 @@ def _offload_inputs(
     n = len(names)
     size = [0] * n
     held = [n < 2] * (n - 1) + [True]  # a span needs a block after its first
+    alone = [False] * n  # freed once the block returns when every block is offloaded
+    by_before = [False] * n  # ... but held when the block before is kept or selective
     mods = list(blocks.values())
     patterns = [["offload"] * n] + [
         [d if i % 2 == parity else "offload" for i in range(n)] for d in before for parity in (0, 1)
     ]
-    for pattern in patterns:
+    for k, pattern in enumerate(patterns):
         refs: list[Any] = [None] * n
 
-        def pre(i: int, refs: list[Any] = refs, pattern: list[str] = pattern) -> Any:
+        def pre(i: int, refs: list[Any] = refs, pattern: list[str] = pattern, k: int = k) -> Any:
             def hook(module: Any, args: Any) -> None:
                 if i >= 1 and refs[i - 1] is not None and pattern[i - 1] == "offload":
-                    if refs[i - 1]() is not None:
+                    alive = refs[i - 1]() is not None
+                    if k == 0:
+                        alone[i - 1] = not alive
+                    elif alive:
+                        by_before[i - 1] = True
+                    if alive:
                         held[i - 1] = True
                 first = args[0] if args else None
                 if isinstance(first, torch.Tensor) and first.requires_grad:
@@ -921,7 +938,9 @@ def _offload_inputs(
         finally:
             for h in handles:
                 h.remove()
-    return [0 if h else b for h, b in zip(held, size)]
+    free = [0 if h else b for h, b in zip(held, size)]
+    pair = [b if a and p else 0 for a, p, b in zip(alone, by_before, size)]
+    return free, pair
 
 
 def _kept_outputs(

@@ -126,6 +126,10 @@ class BlockCosts:
     keeping its input in host memory (:func:`span_segment`), measured on a device where
     nothing else holds that input once the block returns, whatever the block before does;
     0 elsewhere (such a span is not offered).
+
+    ``held_to_end`` is the bytes of the block's inputs that the model's code keeps until
+    forward returns and the kept block does not save (counted in ``exit_freed`` under
+    ``keep`` and ``offload``): a checkpoint starting at this block holds them into backward.
     """
 
     name: str
@@ -142,6 +146,7 @@ class BlockCosts:
     exit_freed: dict[str, int] = dataclasses.field(default_factory=dict)
     pre_exit: dict[str, int] = dataclasses.field(default_factory=dict)
     offload_input: int = 0
+    held_to_end: int = 0
 
 
 @dataclasses.dataclass
@@ -460,10 +465,11 @@ def _keep_span_segment(blocks: Sequence[BlockCosts], a: int, z: int, freed: int 
         )
         restored += b.retained["keep"]
     lone = bz.retained["keep"] - bz.retained["recompute"]
-    see(bz.bwd_start - lone + bz.bwd_excess["recompute"], f"backward of {bz.name!r}")
+    held = blocks[a].held_to_end  # the span's input, which the keep line frees at forward's end
+    see(bz.bwd_start - lone + bz.bwd_excess["recompute"] + held, f"backward of {bz.name!r}")
     for i in range(a, z):
         b = blocks[i]
-        see(b.bwd_start + b.bwd_excess["keep"], f"backward of {b.name!r}")
+        see(b.bwd_start + b.bwd_excess["keep"] + held, f"backward of {b.name!r}")
     cost = sum(blocks[j].cost["recompute"] for j in range(a, z + 1))
     return Segment(a, z, "keep", True, peak, where, saved + freed, float(cost))
 
