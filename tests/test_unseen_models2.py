@@ -215,7 +215,7 @@ class MoEBlock(nn.Module):
             if idx.numel() == 0:
                 continue
             y = expert(h.index_select(0, idx)) * weight.index_select(0, idx)[:, None]
-            out = out.index_add(0, idx, y)
+            out = out.index_add(0, idx, y.to(out.dtype))  # bfloat16 experts under autocast
         return x + out.view(shape)
 
 
