@@ -190,6 +190,8 @@ def test_plans_offload_span_inputs_where_copies_are_cheaper_than_recompute_bitwi
         budget = lo + (hi - lo) // 5 + prof.scratch_bytes
         plan = remat.plan(prof, budget)
         assert plan.offloaded_spans
+        assert "(input offloaded)" in str(plan)  # the plan's table says which
+        assert remat.Plan.from_json(plan.to_json()) == plan
         assert plan.predicted_overhead_s < remat.plan(without, budget).predicted_overhead_s
         assert plan.predicted_peak_bytes + plan.scratch_bytes <= budget
         plan.apply(model)
