@@ -260,11 +260,6 @@ def test_keep_span_over_relu_blocks_holding_the_callers_input_is_not_predicted_l
         assert s.high(["keep"] * 3, [(0, 1)]) >= 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="(keep, keep, offload) in DictOut: 7552 bytes low in the offloaded last block's "
-    "backward, also with progress=1.0",
-)
 def test_offloading_the_last_block_of_a_dict_output_model_is_not_predicted_low():
     with simulated_device(0, 1.0):
         s = _Setup("dictout")

@@ -53,7 +53,6 @@ from .apply import apply_decision, restore_state, snapshot_state
 from .distributed import active, agree_profile, agree_same
 from .model import (
     DECISIONS,
-    HOLD_INPUTS,
     BlockCosts,
     StepPeak,
     Timeline,
@@ -378,7 +377,7 @@ def profile(
     freed = [0] * len(names)
     offload_inputs = [0] * len(names)
     held_before = [0] * len(names)
-    held_to_end = [0] * len(names)
+    held_to_end: dict[str, list[int]] = {}
     shared = 0
     try:
         calls = _CallCount(names)
@@ -415,7 +414,7 @@ def profile(
                     apply_decision(m, "recompute" if d == "split" and n not in splittable else d)
             clear_grads()
             # Memory: bytes do not depend on threads, so this step runs at full speed.
-            frees = _InputFrees(model, names, blocks, inputs) if d == "keep" else None
+            frees = _InputFrees(model, names, blocks, inputs) if d in _HELD_LINES else None
             with memory.track(counted) as tracker:
                 tracker.watch(storages)
                 watch = _Windows(tracker, names, blocks, params if set_to_none else [], counted)
@@ -426,7 +425,9 @@ def profile(
                     if frees is not None:
                         frees.remove()
             if frees is not None:
-                freed, shared, held_to_end = frees.freed, frees.shared, frees.held_to_end
+                held_to_end[d] = frees.held_to_end
+                if d == "keep":
+                    freed, shared = frees.freed, frees.shared
             lines[d] = watch.line
             if d == "keep" and optimizer is not None:  # on this step's gradients
                 opt_terms = _optimizer_terms(state, optimizer, counted)
@@ -525,26 +526,36 @@ def _offloads(model: nn.Module, args: Any) -> bool:
     return any(moves_to_host(t) for t in [*found[:1], *list(model.parameters())[:1]])
 
 
-def _held_to_end(costs: list[BlockCosts], held: Sequence[int]) -> None:
-    """Inputs that live to the end of forward and then die under ``keep`` (the model's code
-    keeps them, a list of hidden states; the block saves none of them, or only autocast's
-    copy), while a checkpoint of the block holds them into its backward: counted as kept in
-    forward and not after it under ``keep`` and ``offload`` (``exit_freed``, in place), so
-    the backward terms of a checkpointed block and of every block after it have them."""
-    total = 0
-    for b, h in zip(costs, held):
-        b.held_to_end = h
-        if h:
+#: The lines whose steps see which block inputs die when forward returns (``_held_to_end``):
+#: the others (checkpoints) hold every block input into backward.
+_HELD_LINES = ("keep", "offload")
+
+
+def _held_to_end(costs: list[BlockCosts], held: dict[str, list[int]]) -> None:
+    """Block inputs that live to the end of forward and then die, measured per line in
+    ``held``: the model's code keeps them (a list of hidden states) and the block keeps none
+    of them on the device (under ``keep``: it saves none, or only autocast's copy; under
+    ``offload``: its saved copy is in host memory), while a checkpoint of the block holds
+    them into its backward. They count as kept in forward and not after it under that
+    decision (``exit_freed``, in place), so every backward term from the block's on has
+    them exactly when the plan holds them. The uniform lines' derived backward terms had
+    them (or not) for every block before: moved out of them here."""
+    n = len(costs)
+    lines = {d: held.get(d, [0] * n) for d in _HELD_LINES}
+    total: dict[str, int] = {}
+    for i, b in enumerate(costs):
+        mine = {d: v[i] for d, v in lines.items() if v[i] and d in b.retained}
+        b.held_to_end = mine.get("keep", 0)
+        if mine:
             x = dict(b.exit_freed) or dict.fromkeys(b.retained, 0)
-            for d in ("keep", "offload"):
-                if d in b.retained:
-                    b.retained[d] -= h
-                    x[d] = x.get(d, 0) + h
+            for d, h in mine.items():
+                b.retained[d] -= h
+                x[d] = x.get(d, 0) + h
             b.exit_freed = x
-        total += h  # the uniform lines held these into backward: not the blocks' own excess
-        for d in HOLD_INPUTS:
-            if total and d in b.bwd_excess and b.bwd_excess[d] > -(2**62):
-                b.bwd_excess[d] -= total
+        for d in b.bwd_excess:  # what keep's line freed and d's line held, from block 0 on
+            total[d] = total.get(d, 0) + mine.get("keep", 0) - mine.get(d, 0)
+            if total[d] and b.bwd_excess[d] > -(2**62):
+                b.bwd_excess[d] -= total[d]
 
 
 def candidate_modules(
