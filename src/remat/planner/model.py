@@ -120,7 +120,11 @@ class BlockCosts:
     backward, ``exit_freed[d]`` what it also kept in forward until the region's end
     (autocast's cached casts of its weights, which only ``keep`` saves for backward),
     and the last block's ``pre_exit[d]`` the peak of the head and the loss before the
-    end, as a forward term (see :func:`activation_terms`). Both are empty otherwise.
+    end, as a forward term (see :func:`activation_terms`). ``exit_freed[d]`` also has the
+    block's inputs that the model's code keeps until forward returns and that the block
+    under ``d`` (``keep``, ``offload``) does not keep on the device (``held_to_end``):
+    they die when forward returns, where a checkpoint holds them into backward. Both are
+    empty when neither happens.
 
     ``offload_input`` is the bytes a span starting at this block frees on the device by
     keeping its input in host memory (:func:`span_segment`), measured on a device where
@@ -558,7 +562,9 @@ def layout(
 
 
 def has_exit(blocks: Sequence[BlockCosts]) -> bool:
-    """Whether an autocast region ended between forward and backward in the profiled step."""
+    """Whether some block keeps bytes in forward that it does not keep into backward (an
+    autocast region ended before backward, or inputs the model keeps to forward's end):
+    the step model then needs its two running sums."""
     return any(b.exit_freed or b.pre_exit for b in blocks)
 
 
@@ -569,8 +575,8 @@ def exit_view(blocks: Sequence[BlockCosts], safe: bool) -> list[BlockCosts]:
     What a block keeps in forward is ``retained + exit_freed`` and in backward
     ``retained``, so the exact forward terms (:func:`activation_terms`) subtract
     ``s_F``, what the blocks before saved in forward, and the backward terms ``s_B``:
-    ``s_B - s_F = sum_{j} (exit_freed[j][d_j] - exit_freed[j][keep])``, the cached casts of
-    the checkpointed blocks. The dynamic program has one running sum, ``s_B``; its forward
+    ``s_B - s_F = sum_{j} (exit_freed[j][d_j] - exit_freed[j][keep])``: the cached casts of
+    the checkpointed blocks, less the inputs kept to forward's end that they hold. The dynamic program has one running sum, ``s_B``; its forward
     terms are here either ``safe`` (raised by ``sum_{j<i} max_d (exit_freed[j][d] -
     exit_freed[j][keep])``, never below the exact term, above it by the casts of the kept
     blocks before) or optimistic (``s_B`` as if it were ``s_F``: never above the exact
