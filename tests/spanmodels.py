@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import remat
 
 
 class Attention(nn.Module):
@@ -137,3 +142,21 @@ def assert_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
     assert len(a) == len(b)
     for i, (x, y) in enumerate(zip(a, b)):
         assert torch.equal(x, y), f"tensor {i} differs (max abs {float((x - y).abs().max())})"
+
+
+def plan_of(prof: Any, ds: Sequence[str], spans: Sequence[Sequence[int]] = ()) -> remat.Plan:
+    """A :class:`remat.Plan` of given decisions and spans (block indices ``(first, last)``,
+    or ``(first, last, 1)`` for a span whose input is offloaded), as plan() makes it, with
+    the profile's prediction as its peak and budget."""
+    names = [b.name for b in prof.blocks]
+    expected = prof.peak(list(ds), [tuple(s) for s in spans]).bytes
+    named = [[names[s[0]], names[s[1]]] for s in spans]
+    return remat.Plan(
+        decisions=dict(zip(names, ds)),
+        predicted_peak_bytes=expected,
+        predicted_overhead_s=0.0,
+        unchecked_peak_bytes=prof.unchecked_peak_bytes,
+        budget_bytes=expected,
+        spans=named,
+        offloaded_spans=[n for n, s in zip(named, spans) if len(s) > 2 and s[2]],
+    )

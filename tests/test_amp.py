@@ -11,6 +11,7 @@ import logging
 import pytest
 import torch
 from referee import check_auto
+from spanmodels import plan_of
 from torch import nn
 
 import remat
@@ -165,7 +166,6 @@ def test_span_plans_in_the_callers_region_are_never_predicted_low():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with _region():
         prof = remat.profile(model, x, optimizer=opt, loss_fn=_loss, timer="flops")
-    names = [b.name for b in prof.blocks]
     low = []
     layouts = itertools.product([(0, 1), (1, 2), (0, 2)], ["keep", "recompute", "selective"])
     for (a, z), inner in layouts:
@@ -176,15 +176,8 @@ def test_span_plans_in_the_callers_region_are_never_predicted_low():
             rest = [j for j in range(3) if not a <= j <= z]
             for j in rest:
                 ds[j] = other
-            predicted = prof.peak(ds, [(a, z)]).bytes
-            p = remat.Plan(
-                decisions=dict(zip(names, ds)),
-                predicted_peak_bytes=predicted,
-                predicted_overhead_s=0.0,
-                unchecked_peak_bytes=prof.unchecked_peak_bytes,
-                budget_bytes=predicted,
-                spans=[[names[a], names[z]]],
-            )
+            p = plan_of(prof, ds, [(a, z)])
+            predicted = p.predicted_peak_bytes
             p.apply(model)
             with _region():
                 measured = remat.measure_peak(model, x, optimizer=opt, loss_fn=_loss)
@@ -260,3 +253,16 @@ def test_plans_meet_the_budget_where_the_casts_in_forward_are_the_peak(budget, c
         )  # fmt: skip
     assert plan.predicted_peak_bytes + plan.scratch_bytes <= plan.budget_bytes
     assert "planning again" not in caplog.text
+
+
+def test_verify_compares_the_loss_a_model_returns():
+    # remat.verify's default loss is the same as the planner's: the output's own ``loss``
+    torch.manual_seed(0)
+    model = LossLM()
+    idx, labels = torch.randint(0, 512, (4, 64)), torch.randint(0, 512, (4, 64))
+    remat.apply_activation_checkpointing(model, check_fn=lambda n, m: isinstance(m, Residual))
+    report = remat.verify(model, idx, labels=labels)
+    with torch.no_grad():
+        expected = float(model(idx, labels)["loss"])
+    assert report.loss_plain == report.loss_checkpointed == expected
+    assert report.ok

@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 from simdevice import simulated_device
-from spanmodels import GPT, MLPChain
+from spanmodels import GPT, MLPChain, plan_of
 
 import remat
 from remat.planner.apply import apply_decision
@@ -133,21 +133,11 @@ def _check_grid(n: int, inners: list[str], others: list[str]) -> None:
         x = torch.randn(8, 32, 16, requires_grad=True)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         prof = remat.profile(model, x, optimizer=opt, timer="flops")
-        names = [b.name for b in prof.blocks]
         wrong = []
         for ds, sp in _grid(n, inners, others):
-            predicted = prof.peak(ds, [sp]).bytes
-            span = [names[sp[0]], names[sp[1]]]
-            remat.Plan(
-                decisions=dict(zip(names, ds)),
-                predicted_peak_bytes=predicted,
-                predicted_overhead_s=0.0,
-                unchecked_peak_bytes=prof.unchecked_peak_bytes,
-                budget_bytes=predicted,
-                spans=[span],
-                offloaded_spans=[span] if len(sp) > 2 else [],
-            ).apply(model)
-            high = predicted - remat.measure_peak(model, x, optimizer=opt)
+            plan = plan_of(prof, ds, [sp])
+            plan.apply(model)
+            high = plan.predicted_peak_bytes - remat.measure_peak(model, x, optimizer=opt)
             # exact, but for a known safe-side pair effect (plain spans too): after an
             # offloaded block the span's input is counted twice (one block input high)
             after_offload = sp[0] > 0 and ds[sp[0] - 1] == "offload"

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from simdevice import simulated_device
+from spanmodels import plan_of
 from test_offload_plan import TanhBlock
 from test_unseen_models import UNet
 from test_unseen_models2 import (
@@ -107,22 +108,12 @@ class _Setup:
         if loss_fn is not None:
             self.kw["loss_fn"] = loss_fn
         self.prof = remat.profile(self.model, *self.args, timer="flops", **self.kw)
-        self.names = [b.name for b in self.prof.blocks]
 
     def high(self, ds: Sequence[str], spans: Sequence[Span] = ()) -> int:
         """Predicted minus measured peak of the plan (negative: predicted low)."""
-        predicted = self.prof.peak(list(ds), list(spans)).bytes
-        named = [[self.names[s[0]], self.names[s[1]]] for s in spans]
-        remat.Plan(
-            decisions=dict(zip(self.names, ds)),
-            predicted_peak_bytes=predicted,
-            predicted_overhead_s=0.0,
-            unchecked_peak_bytes=0,
-            budget_bytes=0,
-            spans=named,
-            offloaded_spans=[n for n, s in zip(named, spans) if len(s) > 2],
-        ).apply(self.model)
-        return predicted - remat.measure_peak(self.model, *self.args, **self.kw)
+        plan = plan_of(self.prof, ds, spans)
+        plan.apply(self.model)
+        return plan.predicted_peak_bytes - remat.measure_peak(self.model, *self.args, **self.kw)
 
 
 def _per_block(n: int, decisions: Sequence[str]) -> list[tuple[list[str], list[Span]]]:

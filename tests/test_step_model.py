@@ -31,6 +31,7 @@ from remat.planner.model import SPAN_INNER, parse_budget, predicted_cost, predic
 from remat.planner.solve import smallest_chain, solve_chain, solve_dp
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from spanmodels import plan_of  # noqa: E402
 from test_plan_solver import random_chain  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -739,20 +740,6 @@ def test_span_and_split_predictions_equal_measured_steps():
             apply_decision(b, "keep")
 
 
-def _plan_of(prof: remat.Profile, ds: list[str], spans: list[tuple[int, int]]) -> remat.Plan:
-    """A :class:`remat.Plan` of given decisions and spans (block indices), as plan() makes."""
-    names = [b.name for b in prof.blocks]
-    expected = prof.peak(ds, spans).bytes
-    return remat.Plan(
-        decisions=dict(zip(names, ds)),
-        predicted_peak_bytes=expected,
-        predicted_overhead_s=0.0,
-        unchecked_peak_bytes=prof.unchecked_peak_bytes,
-        budget_bytes=expected,
-        spans=[[names[a], names[z]] for a, z in spans],
-    )
-
-
 def test_plan_apply_with_split_spans_is_predicted_exactly_and_keeps_gradients():
     # Plan.apply puts spans on through remat._spans with inner="split": the children it makes
     # regions are the ones the profile measured for the block's "split" (one rule, _split)
@@ -773,7 +760,7 @@ def test_plan_apply_with_split_spans_is_predicted_exactly_and_keeps_gradients():
         model = build(cfg)
         opt = opt_of(model)
         expected = prof.peak(ds, spans).bytes
-        plan = _plan_of(prof, ds, spans)
+        plan = plan_of(prof, ds, spans)
         plan.apply(model)
         assert remat.measure_peak(model, x, optimizer=opt) == expected, (ds, spans)
         torch.manual_seed(3)
@@ -801,7 +788,7 @@ def test_every_span_layout_of_a_small_chain_is_measured_as_predicted():
     opt = sgd(model)
     for ds, spans in grid:
         expected = prof.peak(ds, spans).bytes
-        plan = _plan_of(prof, ds, spans)
+        plan = plan_of(prof, ds, spans)
         plan.apply(model)  # replaces the previous layout's wrapping and spans
         measured = remat.measure_peak(model, x, optimizer=opt)
         if measured != expected:
@@ -1077,7 +1064,7 @@ def test_a_plain_span_holds_its_input_that_the_kept_step_frees_at_forwards_end()
     ):
         ds = [other] * 3
         ds[a : z + 1] = [inner] * (z - a + 1)
-        _plan_of(prof, ds, [(a, z)]).apply(model)
+        plan_of(prof, ds, [(a, z)]).apply(model)
         measured = remat.measure_peak(model, x, optimizer=opt)
         if prof.peak(ds, [(a, z)]).bytes < measured:
             low.append((ds, (a, z), measured - prof.peak(ds, [(a, z)]).bytes))

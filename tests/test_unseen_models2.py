@@ -586,10 +586,10 @@ def test_a_span_frees_the_list_one_block_passes_to_the_next():
     # passing [x, h] freed nothing it passed on: predicted two tensors low. The recompute
     # gets a copy of a list anyway (it cannot change the caller's), so the guard now
     # watches only the objects inside it
-    from test_step_model import _plan_of
+    from spanmodels import plan_of
 
     x = torch.randn(256, 64)
     prof = remat.profile(ListChain(), x, optimizer=None, timer="flops")
     for ds, spans in ((["keep"] * 4, [(0, 1)]), (["recompute"] * 4, [(1, 2)])):
-        model = _plan_of(prof, ds, spans).apply(ListChain())
+        model = plan_of(prof, ds, spans).apply(ListChain())
         assert remat.measure_peak(model, x) == prof.peak(ds, spans).bytes, (ds, spans)

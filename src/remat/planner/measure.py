@@ -523,7 +523,8 @@ def _offloads(model: nn.Module, args: Any) -> bool:
     are there already and offload keeps them as they are)."""
     found: list[torch.Tensor] = []
     tensors_in(args, found)
-    return any(moves_to_host(t) for t in [*found[:1], *list(model.parameters())[:1]])
+    first = next(model.parameters(), None)
+    return any(moves_to_host(t) for t in [*found[:1], *([first] if first is not None else [])])
 
 
 #: The lines whose steps see which block inputs die when forward returns (``_held_to_end``):
@@ -744,7 +745,9 @@ def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 class _InputFrees:
     """For the step under ``keep``: the bytes of each block's output that die while the next
     block runs (the next block saves none of it and nothing else holds it), and for the last
-    block by the end of the model's forward (the head saves none of it).
+    block by the end of the model's forward (the head saves none of it); the shared
+    arguments (``shared``). For that step and the one under ``offload``: each block's
+    inputs alive when its window ends and dead when forward returns (``held_to_end``).
 
     The step model adds each block's bytes at its own decision, so a free that happens only
     because the block before does not hold its output is a pair effect: under ``selective``
@@ -816,8 +819,8 @@ class _InputFrees:
                 ref, count = weakref.ref(t), 0
                 self.arg_sizes[id(t)] = _sizes([ref])  # read while it is alive
             self.args[id(t)] = (ref, count + 1)
-            if count + 1 >= 2:  # shared: not one block's input (Profile.shared_bytes)
-                self.many |= _storage(t)
+            if count + 1 == 2:  # shared: not one block's input (Profile.shared_bytes); from
+                self.many |= _storage(t)  # here on ``many`` keeps it out as it is recorded
                 for j in range(i):
                     self.inputs[j] = [(r, b) for r, b in self.inputs[j] if r() is not t]
                     self.alive[j] = [(r, b) for r, b in self.alive[j] if r() is not t]
