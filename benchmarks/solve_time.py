@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from remat.planner.model import BlockCosts, predicted_cost, predicted_peak
+from remat.planner.stepmodel import BlockCosts, predicted_cost, predicted_peak
 from remat.planner.solve import smallest_chain, solve
 
 DECS = ("keep", "recompute", "selective", "split")
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                     "solve_s": round(s, 4),
                     "cost": round(predicted_cost(blocks, ds, spans), 3),
                     "spans": len(spans),
-                    "offloaded_spans": sum(len(sp) > 2 for sp in spans),
+                    "offloaded_spans": sum(sp.offloaded for sp in spans),
                 }
                 rows.append(row)
                 print(

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import remat
+from remat.planner.types import Span
 
 
 class Attention(nn.Module):
@@ -149,8 +150,9 @@ def plan_of(prof: Any, ds: Sequence[str], spans: Sequence[Sequence[int]] = ()) -
     or ``(first, last, 1)`` for a span whose input is offloaded), as plan() makes it, with
     the profile's prediction as its peak and budget."""
     names = [b.name for b in prof.blocks]
-    expected = prof.peak(list(ds), [tuple(s) for s in spans]).bytes
-    named = [[names[s[0]], names[s[1]]] for s in spans]
+    spans = [Span.of(s) for s in spans]
+    expected = prof.peak(list(ds), spans).bytes
+    named = [[names[s.first], names[s.last]] for s in spans]
     return remat.Plan(
         decisions=dict(zip(names, ds)),
         predicted_peak_bytes=expected,
@@ -158,5 +160,5 @@ def plan_of(prof: Any, ds: Sequence[str], spans: Sequence[Sequence[int]] = ()) -
         unchecked_peak_bytes=prof.unchecked_peak_bytes,
         budget_bytes=expected,
         spans=named,
-        offloaded_spans=[n for n, s in zip(named, spans) if len(s) > 2 and s[2]],
+        offloaded_spans=[n for n, s in zip(named, spans) if s.offloaded],
     )

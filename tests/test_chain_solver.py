@@ -16,7 +16,7 @@ from remat.planner.chain import (
     simplest,
     simplicity,
 )
-from remat.planner.model import (
+from remat.planner.stepmodel import (
     SPAN_INNER,
     BlockCosts,
     block_segment,
@@ -283,7 +283,7 @@ def test_spans_never_hold_an_output_the_model_keeps_with_the_two_blocks_after_it
         lo = predicted_peak(blocks, top, ds, 0, sp)
         hi = predicted_peak(blocks, top, ["keep"] * 6)
         budget = int(lo + budget_frac * (hi - lo))
-        found = solve(blocks, top, budget, DECS, solver="chain", max_span=16, held=held)
+        found = solve(blocks, top, budget, DECS, solver="chain", max_span=16, kept_outputs=held)
         assert found is not None
         assert all(not any(held[j] for j in range(a, z - 1)) for a, z in found[1])
         # the least cost among the layouts that respect held: brute force
@@ -319,7 +319,7 @@ def test_too_many_states_in_the_second_stage_fall_back_to_a_least_cost_plan(monk
 
 
 def test_a_span_of_mixed_decisions_is_refused_with_what_to_do():
-    from remat.planner.model import layout
+    from remat.planner.stepmodel import layout
 
     blocks, _ = random_chain(0, 3)
     with pytest.raises(ValueError, match=r"got \['keep', 'recompute'\] for blocks 0..1; give"):
@@ -342,7 +342,9 @@ def offload_chain(seed: int, n: int) -> tuple[list[BlockCosts], int]:
 
 
 def test_segment_table_offloaded_spans_equal_the_step_model_segments():
-    from remat.planner.chain import OFFLOADED
+    from remat.planner.types import SpanKind
+
+    OFFLOADED = SpanKind.OFFLOADED
 
     for seed in range(20):
         blocks, _ = offload_chain(seed, 10)

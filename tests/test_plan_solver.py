@@ -8,16 +8,10 @@ import random
 import pytest
 
 from remat import PlanError
-from remat.planner.model import BlockCosts, parse_budget, predicted_cost, predicted_peak
-from remat.planner.plan import Plan
-from remat.planner.solve import (
-    brute_force,
-    smallest_chain,
-    smallest_peak,
-    solve,
-    solve_dp,
-    solve_milp,
-)
+from remat.planner.stepmodel import BlockCosts, parse_budget, predicted_cost, predicted_peak
+from remat.planner.perblock import brute_force, solve_dp, solve_milp
+from remat.planner.solve import Plan, smallest_chain, smallest_peak, solve
+from remat.planner.types import Phase
 
 DECS = ("keep", "recompute", "selective")
 
@@ -156,6 +150,7 @@ def test_plan_table_names_the_lever_when_the_optimizer_step_is_the_peak():
         peak_at="optimizer.step() of the first step (optimizer state created)",
         breakdown={"static": 2**20, "gradients": 2**20, "optimizer": 2**21, "activations": 0},
         peak_movable=False,
+        peak_phase=Phase.OPTIMIZER_FIRST,
     )
     text = str(_round_trip(p))
     assert "no checkpointing plan lowers" in text and "shard the optimizer state" in text

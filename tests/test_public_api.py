@@ -12,6 +12,7 @@ EXPECTED_ALL = [
     "CheckpointPolicy",
     "DefaultDeviceType",
     "GraphExecGroup",
+    "Inputs",
     "OffloadStats",
     "Plan",
     "PlanError",

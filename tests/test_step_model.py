@@ -27,8 +27,9 @@ from remat.bench.models import ModelConfig, build, example_input
 from remat.planner import auto
 from remat.planner.apply import apply_decision
 from remat.planner.auto import step_peaks
-from remat.planner.model import SPAN_INNER, parse_budget, predicted_cost, predicted_peak
-from remat.planner.solve import smallest_chain, solve_chain, solve_dp
+from remat.planner.stepmodel import SPAN_INNER, parse_budget, predicted_cost, predicted_peak
+from remat.planner.perblock import solve_dp
+from remat.planner.solve import smallest_chain, solve_chain
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from spanmodels import plan_of  # noqa: E402
@@ -889,7 +890,7 @@ def test_a_plan_with_spans_is_measured_as_predicted():
 def test_plan_per_block_costs_and_savings_add_up_with_selective_spans():
     # Plan.added_cost and Plan.saved_bytes of every plan over random chains add up to the
     # plan's predicted overhead and to what its segments save; some plans hold selective spans
-    from remat.planner.model import layout
+    from remat.planner.stepmodel import layout
 
     seen = set()
     for seed in range(12):

@@ -30,7 +30,7 @@ from ._sequential import checkpoint_sequential
 from ._state import DefaultDeviceType, get_device_states, set_device_states
 from ._verify import Report, verify
 from ._wrap import apply_activation_checkpointing, checkpoint_wrapper, offload_wrapper, unwrap
-from .planner import Plan, Profile, auto_checkpoint, measure_peak, plan, profile
+from .planner import Inputs, Plan, Profile, auto_checkpoint, measure_peak, plan, profile
 from .policies import CheckpointPolicy
 
 __version__ = "0.1.0.dev0"
@@ -42,6 +42,7 @@ __all__ = [
     "CheckpointPolicy",
     "DefaultDeviceType",
     "GraphExecGroup",
+    "Inputs",
     "OffloadStats",
     "Plan",
     "PlanError",

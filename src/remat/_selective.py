@@ -384,7 +384,8 @@ def _release_all(stash: HostStash, tickets: list[Any]) -> None:
         stash.release(tk)
 
 
-_RECOMPUTE = object()
+#: A cache entry of an operator the policy recomputes (the planner's FLOPs count reads it).
+RECOMPUTE_ENTRY = object()
 _CONSUMED = object()
 _keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
 
@@ -488,7 +489,7 @@ class _SaveMode(TorchDispatchMode):
             prefer = answer is CheckpointPolicy.PREFER_SAVE
             self.store.answers.setdefault(func, []).append(kind)
         if kind is _Kind.RECOMPUTE or not _has_tensor(out) or _aliases_input(func):
-            entries.append(_RECOMPUTE)
+            entries.append(RECOMPUTE_ENTRY)
             return out
         if kind is _Kind.SAVE:
             entry: Any
@@ -542,7 +543,7 @@ class _SaveMode(TorchDispatchMode):
             entry.written = True
             return
         if entries[index] is entry:  # recompute it: the saved value would be the changed one
-            entries[index] = _RECOMPUTE
+            entries[index] = RECOMPUTE_ENTRY
         for ptr in entry.ptrs:  # the entry's other outputs are no longer watched
             self.saved.pop(ptr, None)
 
@@ -606,7 +607,7 @@ class _ServeMode(TorchDispatchMode):
                     "same in both; base it on the operator, its arguments and ctx.index, not on "
                     "a counter of your own (see remat.SelectiveCheckpointContext)."
                 )
-        if entry is _RECOMPUTE:
+        if entry is RECOMPUTE_ENTRY:
             return func(*args, **kwargs)
         if entry is _CONSUMED:
             raise CheckpointError(

@@ -180,7 +180,7 @@ def set_device_states(
 
 
 @functools.cache
-def _autocast_types() -> tuple[str, ...]:
+def autocast_types() -> tuple[str, ...]:
     """Device types with autocast in this torch build (a fact of the build, cached)."""
     names = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla", "ipu", "privateuseone")
     return tuple(n for n in names if torch.amp.is_autocast_available(n))
@@ -188,7 +188,7 @@ def _autocast_types() -> tuple[str, ...]:
 
 def _autocast_snapshot() -> tuple[tuple[str, bool, torch.dtype], ...]:
     return tuple(
-        (t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in _autocast_types()
+        (t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in autocast_types()
     )
 
 
@@ -338,7 +338,7 @@ class ForwardState:
                 if self.device_ctx is not None:
                     stack.enter_context(self.device_ctx)
                 fwd = self.autocast or tuple(
-                    (t, False, torch.get_autocast_dtype(t)) for t in _autocast_types()
+                    (t, False, torch.get_autocast_dtype(t)) for t in autocast_types()
                 )
                 if self.cache and not self._cache_is_private(fwd):
                     clear = True

@@ -44,7 +44,9 @@ allocation events of ``torch.profiler`` on CPU and with
 
 :func:`track_modules` adds a per-module breakdown (bytes alive before and
 after each module's forward, the peak during it, the bytes alive when its
-backward starts and the peak during its backward), which the planner uses.
+backward starts and the peak during its backward). Both it and the planner's
+probes (:mod:`remat.planner.probes`) read the tracker at module boundaries through
+:class:`BlockHooks` and its :meth:`~MemoryTracker.open_window` windows.
 
 Example:
     >>> import torch, remat
@@ -65,8 +67,8 @@ import contextlib
 import dataclasses
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
@@ -74,7 +76,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from ._config import is_recomputing
 from ._tree import tensors_in
 
-__all__ = ["MemoryTracker", "ModuleMemory", "track", "track_modules"]
+__all__ = ["BlockHooks", "MemoryTracker", "ModuleMemory", "Probe", "track", "track_modules"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _SPARSE_PARTS = {
@@ -511,38 +513,119 @@ class _BackwardWatch:
             self.window = None
 
 
-class _ModuleHooks:
-    """Forward pre/post hooks that read a tracker at a module's boundaries."""
+class Probe(Protocol):
+    """What :class:`BlockHooks` calls at block ``i``'s boundaries."""
 
-    def __init__(self, tracker: MemoryTracker, stats: ModuleMemory) -> None:
+    def before(self, i: int, args: Any, kwargs: Any) -> None:
+        """Block ``i``'s forward is about to run on ``args``, ``kwargs``."""
+
+    def after(self, i: int, args: Any, kwargs: Any, out: Any) -> None:
+        """Block ``i``'s forward returned ``out`` (``None`` when it raised, with
+        ``always_call``)."""
+
+
+class _Before:
+    """Forward pre-hook of block ``i``: ``probe.before(i, args, kwargs)`` (not in recompute)."""
+
+    __slots__ = ("i", "probe")
+
+    def __init__(self, probe: Probe, i: int) -> None:
+        self.probe, self.i = probe, i
+
+    def __call__(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        if not is_recomputing():
+            self.probe.before(self.i, args, kwargs)
+
+
+class _After:
+    """Forward hook of block ``i``: ``probe.after(i, args, kwargs, out)`` (not in recompute)."""
+
+    __slots__ = ("i", "probe")
+
+    def __init__(self, probe: Probe, i: int) -> None:
+        self.probe, self.i = probe, i
+
+    def __call__(self, module: torch.nn.Module, args: Any, kwargs: Any, out: Any) -> None:
+        if not is_recomputing():
+            self.probe.after(self.i, args, kwargs, out)
+
+
+class BlockHooks:
+    """A probe's forward pre- and post-hooks on each of ``modules`` (block ``i`` is
+    ``modules[i]``), skipping the forwards a checkpoint's recompute runs; removed by
+    :meth:`remove` or on leaving the ``with`` block. With ``always_call`` the post-hook also
+    runs, with ``out=None``, when the forward raised. :func:`track_modules` and the
+    planner's probes read the tracker at module boundaries through it.
+
+    Example:
+        >>> import torch, remat
+        >>> class Starts:
+        ...     def __init__(self, tracker): self.tracker, self.at = tracker, []
+        ...     def before(self, i, args, kwargs): self.at.append(self.tracker.current_bytes)
+        ...     def after(self, i, args, kwargs, out): pass
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        >>> with remat.memory.track() as t, remat.memory.BlockHooks(list(model), Starts(t)) as h:
+        ...     _ = model(torch.randn(2, 4))
+        >>> h.probe.at  # bytes alive as each Linear started: the input, then the first's output too
+        [32, 64]
+    """
+
+    def __init__(
+        self, modules: Sequence[torch.nn.Module], probe: Probe, always_call: bool = False
+    ) -> None:
+        self.probe = probe
+        self.handles = []
+        for i, m in enumerate(modules):
+            self.handles.append(m.register_forward_pre_hook(_Before(probe, i), with_kwargs=True))
+            self.handles.append(
+                m.register_forward_hook(_After(probe, i), with_kwargs=True, always_call=always_call)
+            )
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def __enter__(self) -> BlockHooks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+class _ModuleStats:
+    """A probe that reads a tracker at modules' boundaries into :class:`ModuleMemory`."""
+
+    def __init__(
+        self, tracker: MemoryTracker, modules: list[torch.nn.Module], stats: list[ModuleMemory]
+    ) -> None:
         self.tracker = tracker
+        self.modules = modules
         self.stats = stats
-        self.stack: list[tuple[Window, list[torch.Tensor]]] = []
+        self.stacks: list[list[tuple[Window, list[torch.Tensor]]]] = [[] for _ in modules]
 
-    def forward_pre(self, module: Any, args: Any, kwargs: Any) -> None:
-        if is_recomputing():
-            return
-        s = self.stats
+    def before(self, i: int, args: Any, kwargs: Any) -> None:
+        s = self.stats[i]
         s.calls += 1
         found: list[torch.Tensor] = []
         tensors_in((args, kwargs), found)
         s.input_bytes = _storage_bytes(found)
+        module = self.modules[i]
         s.param_bytes = _storage_bytes([*module.parameters(), *module.buffers()])
         window = self.tracker.open_window()
         s.before_forward = window.start
-        self.stack.append((window, [t for t in found if t.requires_grad]))
+        self.stacks[i].append((window, [t for t in found if t.requires_grad]))
 
-    def forward_post(self, module: Any, args: Any, kwargs: Any, out: Any) -> None:
-        # registered with always_call=True: also runs, with out=None, when the
-        # forward raised, so that its window is closed and its stack entry popped
-        if is_recomputing() or not self.stack:
+    def after(self, i: int, args: Any, kwargs: Any, out: Any) -> None:
+        # also runs, with out=None, when the forward raised (always_call), so that its
+        # window is closed and its stack entry popped
+        if not self.stacks[i]:
             return
-        window, grad_inputs = self.stack.pop()
-        s = self.stats
+        window, grad_inputs = self.stacks[i].pop()
+        s = self.stats[i]
         s.forward_peak = self.tracker.close_window(window)
         s.after_forward = self.tracker.current_bytes
         outputs = _grad_tensors(out)
-        ends = grad_inputs or [p for p in module.parameters() if p.requires_grad]
+        ends = grad_inputs or [p for p in self.modules[i].parameters() if p.requires_grad]
         if outputs and ends:
             watch = _BackwardWatch(self.tracker, s)
             torch.autograd.graph.register_multi_grad_hook(outputs, watch.start, mode="any")
@@ -589,15 +672,6 @@ def track_modules(
         named = dict(modules)
     stats = {n: ModuleMemory() for n in named}
     with track(device) as tracker:
-        handles = []
-        try:
-            for name, mod in named.items():
-                h = _ModuleHooks(tracker, stats[name])
-                handles.append(mod.register_forward_pre_hook(h.forward_pre, with_kwargs=True))
-                handles.append(
-                    mod.register_forward_hook(h.forward_post, with_kwargs=True, always_call=True)
-                )
+        probe = _ModuleStats(tracker, list(named.values()), list(stats.values()))
+        with BlockHooks(list(named.values()), probe, always_call=True):
             yield tracker, stats
-        finally:
-            for handle in handles:
-                handle.remove()

@@ -30,9 +30,9 @@ import torch
 from .._errors import PlanError
 from .._modelinfo import device_of
 from ..planner.measure import profile
-from ..planner.model import fmt_bytes as _fmt
-from ..planner.model import parse_budget
-from ..planner.plan import plan
+from ..planner.render import fmt_bytes as _fmt
+from ..planner.solve import plan
+from ..planner.stepmodel import parse_budget
 from ._usage import RunError, UsageError, check_output_path, describe, write_text
 
 

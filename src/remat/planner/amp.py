@@ -37,7 +37,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .._state import _autocast_types
+from .._state import autocast_types
 
 
 def caller_autocast() -> bool:
@@ -63,7 +63,7 @@ def outside() -> Iterator[None]:
     if not caller_autocast():
         yield
         return
-    types = _autocast_types()
+    types = autocast_types()
     enabled = [(t, torch.is_autocast_enabled(t)) for t in types]
     depth = 0
     try:

@@ -14,11 +14,12 @@ from typing import Any
 from torch import nn
 
 from .._errors import PlanError
+from .._spans import apply_span, remove_span, span_of
 from .._split import can_split
 from .._split import split_children as split_names
 from .._wrap import checkpoint_wrapper, offload_only, set_wrapping_state, unwrap, wrapping_state
 from ..policies import save_matmuls
-from .model import DECISIONS
+from .types import Decision, PlanData
 
 
 def split_children(module: nn.Module) -> list[nn.Module]:
@@ -28,9 +29,14 @@ def split_children(module: nn.Module) -> list[nn.Module]:
 
 
 def apply_decision(module: nn.Module, decision: str) -> None:
-    """Make ``module`` run as ``decision`` says (in place)."""
-    if decision not in DECISIONS:
-        raise PlanError(f"unknown decision {decision!r}; expected one of {list(DECISIONS)}.")
+    """Make ``module`` run as ``decision`` (a :class:`~remat.planner.types.Decision`) says,
+    in place."""
+    try:
+        decision = Decision(decision)
+    except ValueError:
+        raise PlanError(
+            f"unknown decision {decision!r}; expected one of {[d.value for d in Decision]}."
+        ) from None
     unwrap(module)
     for child in split_children(module):
         unwrap(child)
@@ -65,7 +71,7 @@ def restore_state(
             set_wrapping_state(x, st)
 
 
-def apply_plan(plan: Any, model: nn.Module) -> nn.Module:
+def apply_plan(plan: PlanData, model: nn.Module) -> nn.Module:
     """Apply every decision of ``plan`` to the named submodules of ``model``."""
     missing = [n for n in plan.decisions if _find(model, n) is None]
     if missing:
@@ -73,19 +79,17 @@ def apply_plan(plan: Any, model: nn.Module) -> nn.Module:
             f"Plan.apply: the model has no submodule named {', '.join(missing)}; the plan was made "
             "for another model (plan and model must come from the same architecture)."
         )
-    from .._spans import apply_span, remove_span, span_of
-
     for name in plan.decisions:  # spans of an earlier plan go first
         if span_of(model.get_submodule(name)) is not None:
             remove_span(model, name)
     names = list(plan.decisions)
-    spans = [names[names.index(a) : names.index(z) + 1] for a, z in getattr(plan, "spans", [])]
+    spans = [names[names.index(a) : names.index(z) + 1] for a, z in plan.spans]
     in_span = {n for members in spans for n in members}
     for name, decision in plan.decisions.items():
         module = _find(model, name)
         assert module is not None
         apply_decision(module, "keep" if name in in_span else decision)
-    offloaded = {first for first, _ in getattr(plan, "offloaded_spans", [])}
+    offloaded = {first for first, _ in plan.offloaded_spans}
     for members in spans:
         inner = plan.decisions[members[0]]
         policy = save_matmuls(prefer=True) if inner == "selective" else None

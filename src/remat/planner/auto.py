@@ -20,14 +20,14 @@ from .._modelinfo import (
     loss_of,
 )
 from .._tree import tensors_in
+from . import measure
 from .amp import fresh_region, outside
 from .apply import restore_state, snapshot_state
 from .distributed import active, agree_max, agree_min, agree_profile, agree_same
-from .measure import Profile
-from .measure import profile as measure_profile
-from .model import fmt_bytes
-from .plan import Plan, budget_of, plan
+from .inputs import Inputs, model_inputs
+from .render import fmt_bytes
 from .sharded import unsharded_storages
+from .solve import Plan, Profile, plan
 from .state import (
     StepState,
     check_step_options,
@@ -36,6 +36,7 @@ from .state import (
     static_bytes,
     storage_bytes,
 )
+from .stepmodel import budget_of
 
 log = logging.getLogger("remat")
 
@@ -51,15 +52,16 @@ def step_peaks(
 ) -> list[int]:
     """The peak of each of ``steps`` steps of the default loop, absolute bytes.
 
-    The loop is the one :mod:`remat.planner.model` describes (gradients
+    The loop is the one :mod:`remat.planner.stepmodel` describes (gradients
     cleared as ``set_to_none`` says, forward, loss, backward,
     ``optimizer.step()``), from an empty optimizer state, so the first step
     creates it. Bytes are static (parameters, buffers, inputs), kept
     gradients and optimizer state at the step's start, plus the peak of what
     the step allocates (:func:`remat.memory.track`), on the model's device.
     Everything the steps change is put back afterwards (see
-    :class:`~remat.planner.state.StepState`).
+    :class:`~remat.planner.state.StepState`). ``args`` may be one :class:`remat.Inputs`.
     """
+    args, kwargs = model_inputs(args, kwargs, "remat.measure_peak")
     check_module(model, "remat.measure_peak")
     check_grad_enabled("remat.measure_peak")
     check_step_options("remat.measure_peak", optimizer, set_to_none)
@@ -130,7 +132,9 @@ def measure_peak(
 
     Args:
         model: the model.
-        *args: inputs.
+        *args: inputs, or one :class:`remat.Inputs` holding the model's positional and
+            keyword inputs (for a model whose ``forward`` takes a keyword named like an
+            option here).
         optimizer: the optimizer the loop steps (``None``: no optimizer step).
         set_to_none: gradients freed before each step (``zero_grad()``'s default)
             or kept and zeroed (``False``).
@@ -146,21 +150,21 @@ def measure_peak(
         True
     """
     steps = 2 if optimizer is not None else 1
+    args, kwargs = model_inputs(args, kwargs, "remat.measure_peak")
     return max(
         step_peaks(
             model,
-            *args,
+            Inputs(*args, **kwargs),
             optimizer=optimizer,
             set_to_none=set_to_none,
             steps=steps,
             loss_fn=loss_fn,
-            **kwargs,
         )
     )
 
 
 def check_profile_matches(
-    prof: Any,
+    prof: Profile,
     model: nn.Module,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -241,7 +245,10 @@ def auto_checkpoint(
 
     Args:
         model: changed in place.
-        *args: example inputs.
+        *args: example inputs, or one :class:`remat.Inputs` holding the model's positional
+            and keyword inputs: for a model whose ``forward`` takes a keyword named like an
+            option of this function (``timer``, ``profile``, ``budget``, ...), pass
+            ``auto_checkpoint(model, remat.Inputs(x, timer=t), budget=...)``.
         budget: as in :func:`remat.plan`: the step's peak in bytes (``2**30``,
             ``"18GiB"``) or ``"60%"`` of what the unchecked step allocates above
             its static bytes.
@@ -284,20 +291,21 @@ def auto_checkpoint(
         >>> remat.measure_peak(model, x, optimizer=opt) <= p.budget_bytes
         True
     """
+    args, kwargs = model_inputs(args, kwargs, "remat.auto_checkpoint")
     check_module(model, "remat.auto_checkpoint")
     check_grad_enabled("remat.auto_checkpoint")
     agree = active(distributed)
+    inputs = Inputs(*args, **kwargs)
     if profile is None:
-        prof = measure_profile(
+        prof = measure.profile(
             model,
-            *args,
+            inputs,
             optimizer=optimizer,
             set_to_none=set_to_none,
             loss_fn=loss_fn,
             check_fn=check_fn,
             timer=timer,
             distributed=distributed,
-            **kwargs,
         )
     else:
         check_profile_matches(profile, model, args, kwargs, optimizer, set_to_none, check_fn)
@@ -318,12 +326,7 @@ def auto_checkpoint(
         try:
             chosen.apply(model)
             measured = measure_peak(
-                model,
-                *args,
-                optimizer=optimizer,
-                set_to_none=set_to_none,
-                loss_fn=loss_fn,
-                **kwargs,
+                model, inputs, optimizer=optimizer, set_to_none=set_to_none, loss_fn=loss_fn
             )
         except PlanError as e:
             if not chosen.spans:

@@ -7,9 +7,10 @@ plain (``keep``), checkpointed (``recompute``, ``split``: two nesting levels) or
 selective (``selective``: the policy's saved outputs handed to the span), and on a
 device, where the profile found a block's input free to move
 (``BlockCosts.offload_input``), each span from it also with that input in host memory
-until its own backward (``Segments.span == OFFLOADED``). Every
+until its own backward (``SpanKind.OFFLOADED`` rows). Every
 activation term of a segment is ``term - s``, ``s`` the bytes the segments before
-it saved (:class:`~remat.planner.model.Segment`), so a segment is summed up by
+it saved (:class:`~remat.planner.types.Segment`, from :mod:`remat.planner.stepmodel`; this
+module has no formula of its own), so a segment is summed up by
 its ``peak``, ``saved`` and ``cost``, and a plan fits ``budget`` when every
 segment's ``peak - s <= budget`` and ``top - s_n <= budget`` at the end.
 
@@ -50,27 +51,27 @@ from collections.abc import Sequence
 
 import torch
 
-from .model import SPAN_INNER, BlockCosts, input_offload_cost
+from .stepmodel import block_segment, options, span_segments
+from .types import NEVER, SPAN_INNER, BlockCosts, Decision, Segment, Span, SpanKind
 
-#: How complex a decision is (near-ties go to the smaller sum).
-COMPLEXITY = {"keep": 0, "selective": 1, "recompute": 2, "offload": 3, "split": 4}
+#: How complex a decision is (near-ties in cost go to the plan of the smaller sum).
+COMPLEXITY = {
+    Decision.KEEP: 0,
+    Decision.SELECTIVE: 1,
+    Decision.RECOMPUTE: 2,
+    Decision.OFFLOAD: 3,
+    Decision.SPLIT: 4,
+}
 
 #: A block inside a span counts this much more complex than the same decision alone.
 SPAN_COMPLEXITY = 5
 
-NEVER = -(2**62)  # a term that never binds (as in the step model)
-OFFLOADED = 2  # ``Segments.span`` of a span whose input is offloaded (``True`` == 1 otherwise)
 _INF = float("inf")
-
-
-def choices(blocks: Sequence[BlockCosts], allowed: Sequence[str]) -> list[list[str]]:
-    """For each block, the allowed decisions it was measured under."""
-    return [[d for d in allowed if d in b.retained and d in b.cost] for b in blocks]
 
 
 def simplicity(n: int, i: int, d: str) -> int:
     """Integer weight of decision ``d`` on block ``i`` of ``n``: complexity first, then position."""
-    c = COMPLEXITY.get(d, 4)
+    c = COMPLEXITY[Decision(d)]
     return c * (n * (n + 1) // 2 + 1) + (i + 1 if c else 0)
 
 
@@ -81,8 +82,8 @@ class Segments:
 
     first: list[int]
     last: list[int]
-    decision: list[str]
-    span: list[int]  # 0: one block, 1: a span, OFFLOADED: a span with its input offloaded
+    decision: list[Decision]
+    span: list[SpanKind]
     peak: list[int]
     saved: list[int]
     cost: list[float]
@@ -98,37 +99,40 @@ class Segments:
             self.columns[name] = torch.tensor(getattr(self, name), dtype=dtype)
         return self.columns[name]
 
-    def add(
-        self, a: int, z: int, d: str, span: int, peak: int, saved: int, cost: float, simp: int
-    ):
+    def add(self, seg: Segment, simp: int) -> None:
+        """Append the row of ``seg`` (of simplicity ``simp``)."""
         k = len(self.first)
-        self.first.append(a)
-        self.last.append(z)
-        self.decision.append(d)
-        self.span.append(span)
-        self.peak.append(peak)
-        self.saved.append(saved)
-        self.cost.append(cost)
+        self.first.append(seg.first)
+        self.last.append(seg.last)
+        self.decision.append(seg.decision)
+        self.span.append(seg.kind)
+        self.peak.append(seg.peak)
+        self.saved.append(seg.saved)
+        self.cost.append(seg.cost)
         self.simp.append(simp)
-        self.starting[a].append(k)
-        self.ending[z + 1].append(k)
+        self.starting[seg.first].append(k)
+        self.ending[seg.last + 1].append(k)
 
 
 def span_end(
-    chained: Sequence[bool] | None, held: Sequence[bool] | None, a: int, n: int, max_span: int
+    chained: Sequence[bool] | None,
+    kept_outputs: Sequence[bool] | None,
+    a: int,
+    n: int,
+    max_span: int,
 ) -> int:
     """One past the last block a span from block ``a`` may take in.
 
     It stops before block ``i`` when block ``i`` does not receive block ``i - 1``'s output
     (``chained``), or when the model keeps block ``i - 2``'s output past block ``i - 1``
-    (``held``: a skip connection, a list of hidden states) and ``i - 2`` is in the span:
-    the span frees what it passes from one block to the next, and refuses a model that
-    keeps it.
+    (``kept_outputs``: a skip connection, a list of hidden states) and ``i - 2`` is in the
+    span: the span frees what it passes from one block to the next, and refuses a model
+    that keeps it.
     """
     for i in range(a + 1, min(n, a + max_span)):
         if chained is not None and not chained[i - 1]:
             return i
-        if held is not None and i - 2 >= a and held[i - 2]:
+        if kept_outputs is not None and i - 2 >= a and kept_outputs[i - 2]:
             return i
     return min(n, a + max_span)
 
@@ -138,198 +142,40 @@ def segment_table(
     allowed: Sequence[str],
     max_span: int,
     chained: Sequence[bool] | None = None,
-    held: Sequence[bool] | None = None,
+    kept_outputs: Sequence[bool] | None = None,
 ) -> Segments:
     """Every block alone under each allowed decision and every span of 2..``max_span``
-    blocks under each allowed inner decision, with the numbers of
-    :func:`~remat.planner.model.block_segment` / :func:`~remat.planner.model.span_segment`
-    (equal to them, float sums in the same order), in O(1) a span by running sums. A span
-    joins block ``i`` to block ``i + 1`` only where ``chained[i]`` (default: everywhere),
-    and holds blocks ``i``, ``i + 1`` and ``i + 2`` together only where not ``held[i]``
-    (the model keeps block ``i``'s output past the next block: see :func:`span_end`)."""
+    blocks under each allowed inner decision (and, where ``offload`` is allowed and the
+    block's input can move, its offloaded variant), as the step model's segments
+    (:func:`~remat.planner.stepmodel.block_segment`,
+    :func:`~remat.planner.stepmodel.span_segments`: O(1) a span). A span joins block ``i``
+    to block ``i + 1`` only where ``chained[i]`` (default: everywhere), and holds blocks
+    ``i``, ``i + 1`` and ``i + 2`` together only where not ``kept_outputs[i]``
+    (:func:`span_end`)."""
     n = len(blocks)
     w = n * (n + 1) // 2 + 1
-    opts = choices(blocks, allowed)
+    opts = options(blocks, allowed)
     t = Segments(
         [], [], [], [], [], [], [], [], [[] for _ in range(n + 1)], [[] for _ in range(n + 1)]
     )
     for a in range(n):
-        b = blocks[a]
         for d in opts[a]:
-            saved = b.retained["keep"] - b.retained[d]
-            peak = max(b.fwd_start + b.fwd_excess[d], b.bwd_start - saved + b.bwd_excess[d])
-            t.add(a, a, d, False, peak, saved, float(b.cost[d]), simplicity(n, a, d))
-        end = span_end(chained, held, a, n, max_span)
-        freed = b.offload_input if "offload" in allowed else 0  # offloading the span's input
-        moved = input_offload_cost(blocks, a) if freed > 0 else 0.0
+            t.add(block_segment(blocks, a, d), simplicity(n, a, d))
+        end = span_end(chained, kept_outputs, a, n, max_span)
+        moves = Decision.OFFLOAD in allowed and blocks[a].offload_input > 0
         for d in SPAN_INNER:
             if d not in allowed or d not in opts[a]:
                 continue
-            if d == "keep":
-                _keep_spans(t, blocks, a, end, n, w, freed, moved)
-                continue
-            if d == "selective":
-                _selective_spans(t, blocks, a, end, n, w, freed, moved)
-                continue
-            inner = 0  # sum_{a<=j<i} (retained[j][keep] - R_j): saved by the blocks alone
-            kept = 0  # P_i = sum_{a<=j<i} R_j
-            kept_prev = 0  # P_{i-1}
-            peak = NEVER  # the backward terms of blocks a..i and the forward term of a
-            after = NEVER  # the forward terms of blocks a+1..i (lower when offloaded)
-            recompute = NEVER  # max_{a<=j<i} P_j + fwd_excess[j]
-            cost_d: float = 0  # sum_{a<=j<=i} cost[j][d], summed as span_segment does
-            cost_r: float = 0  # sum_{a<=j<i} cost[j][recompute]
-            simp = 0
-            for i in range(a, end):
-                if d not in opts[i]:
-                    break
-                bi = blocks[i]
-                r = bi.retained[d]
-                fwd = bi.fwd_start - inner - kept_prev + bi.fwd_excess[d]
-                inner += bi.retained["keep"] - r
-                bwd = bi.bwd_start - inner + bi.bwd_excess[d]
-                if i > a:
-                    after = max(after, fwd)
-                    peak = max(peak, bwd)
-                else:
-                    peak = max(peak, fwd, bwd)
-                cost_d = cost_d + bi.cost[d]
-                simp += simplicity(n, i, d)
-                if i > a:
-                    rec = bi.bwd_start - inner - kept + recompute
-                    _add_span(
-                        t, a, i, d, peak, after, rec, inner + kept, float(cost_d + cost_r),
-                        simp + SPAN_COMPLEXITY * w * (i - a + 1), freed, moved, w,
-                    )  # fmt: skip
-                recompute = max(recompute, kept + bi.fwd_excess[d])
-                cost_r = cost_r + bi.cost.get("recompute", 0.0)
-                kept_prev = kept
-                kept += r
+            simp = simplicity(n, a, d)
+            plain = span_segments(blocks, a, end, d)
+            moved = span_segments(blocks, a, end, d, offload=True) if moves else None
+            for seg in plain:
+                simp += simplicity(n, seg.last, d)
+                weight = simp + SPAN_COMPLEXITY * w * (seg.last - a + 1)
+                t.add(seg, weight)
+                if moved is not None:
+                    t.add(next(moved), weight + w)
     return t
-
-
-def _add_span(
-    t: Segments,
-    a: int,
-    z: int,
-    d: str,
-    peak: int,
-    after: int,
-    rest: int,
-    saved: int,
-    cost: float,
-    simp: int,
-    freed: int,
-    moved: float,
-    w: int,
-) -> None:
-    """Add the span ``a..z`` (inner ``d``) and, where its input can be offloaded (``freed``
-    bytes: :func:`~remat.planner.model.span_segment`), the offloaded variant: ``after`` (the
-    forward terms of blocks ``a+1..z``) lower by ``freed``, ``freed`` more saved, the
-    copies' cost ``moved`` added, one step more complex."""
-    t.add(a, z, d, True, max(peak, after, rest), saved, cost, simp)
-    if freed > 0:
-        t.add(a, z, d, OFFLOADED, max(peak, after - freed, rest), saved + freed, cost + moved,
-              simp + w)  # fmt: skip
-
-
-def _keep_spans(
-    t: Segments,
-    blocks: Sequence[BlockCosts],
-    a: int,
-    end: int,
-    n: int,
-    w: int,
-    freed: int = 0,
-    moved: float = 0.0,
-) -> None:
-    """The spans from block ``a`` with the blocks plain inside (``inner="keep"``), with the
-    numbers of :func:`~remat.planner.model.span_segment` by running sums."""
-    inner = 0  # sum_{a<=j<i} (retained[j][keep] - R_j), R = retained[recompute]
-    kept = 0  # P_i = sum_{a<=j<i} R_j
-    kept_prev = 0  # P_{i-1}
-    fwd_peak = NEVER  # the forward term of block a
-    after = NEVER  # the forward terms of blocks a+1..i
-    held = blocks[a].held_to_end  # the span's input, freed at forward's end under keep
-    restored = 0  # sum_{a<=j<i} retained[j][keep]
-    rec = NEVER  # max_{a<=j<i} restored_j + fwd_excess[j][keep]
-    bwd = NEVER  # max_{a<=j<i} bwd_start[j] + bwd_excess[j][keep]
-    cost: float = 0  # sum_{a<=j<=i} cost[j][recompute]
-    simp = 0
-    for i in range(a, end):
-        bi = blocks[i]
-        if "recompute" not in bi.cost or "recompute" not in bi.retained:
-            break
-        r = bi.retained["recompute"]
-        fwd = bi.fwd_start - inner - kept_prev + bi.fwd_excess["recompute"]
-        if i > a:
-            after = max(after, fwd)
-        else:
-            fwd_peak = fwd
-        inner += bi.retained["keep"] - r
-        cost = cost + bi.cost["recompute"]
-        simp += simplicity(n, i, "keep")
-        if i > a:
-            saved = inner + kept
-            last = bi.bwd_start - (bi.retained["keep"] - r) + bi.bwd_excess["recompute"] + held
-            rest = max(bi.bwd_start - saved + rec, last, bwd)
-            _add_span(
-                t, a, i, "keep", fwd_peak, after, rest, saved, float(cost),
-                simp + SPAN_COMPLEXITY * w * (i - a + 1), freed, moved, w,
-            )  # fmt: skip
-        rec = max(rec, restored + bi.fwd_excess["keep"])
-        restored += bi.retained["keep"]
-        bwd = max(bwd, bi.bwd_start + bi.bwd_excess["keep"] + held)
-        kept_prev = kept
-        kept += r
-
-
-def _selective_spans(
-    t: Segments,
-    blocks: Sequence[BlockCosts],
-    a: int,
-    end: int,
-    n: int,
-    w: int,
-    freed: int = 0,
-    moved: float = 0.0,
-) -> None:
-    """The spans from block ``a`` with each block selective inside (``inner="selective"``),
-    with the numbers of :func:`~remat.planner.model.span_segment` by running sums."""
-    kept = 0  # sum_{a<=j<i} retained[j][keep]
-    inner = 0  # sum_{a<=j<=i} (retained[j][keep] - retained[j][selective])
-    fwd_bwd = NEVER  # the backward terms of blocks a..i and the forward term of a
-    after = NEVER  # the forward terms of blocks a+1..i
-    restored = 0  # sum_{a<=j<i} retained[j][selective]
-    rec = NEVER  # max_{a<=j<=i} restored_j + fwd_excess[j][selective]
-    cost: float = 0  # sum_{a<=j<=i} cost[j][selective], then cost[j][recompute]
-    cost_r: float = 0
-    prev = 0  # retained[i - 1][recompute]
-    simp = 0
-    for i in range(a, end):
-        bi = blocks[i]
-        if not {"selective", "recompute"} <= bi.retained.keys() & bi.cost.keys():
-            break
-        fwd = bi.fwd_start - kept + prev + bi.fwd_excess["selective"]
-        if i > a:
-            after = max(after, fwd)
-        else:
-            fwd_bwd = max(fwd_bwd, fwd)
-        kept += bi.retained["keep"]
-        inner += bi.retained["keep"] - bi.retained["selective"]
-        fwd_bwd = max(fwd_bwd, bi.bwd_start - inner + bi.bwd_excess["selective"])
-        rec = max(rec, restored + bi.fwd_excess["selective"])
-        restored += bi.retained["selective"]
-        cost = cost + bi.cost["selective"]
-        cost_r = cost_r + bi.cost["recompute"]
-        prev = bi.retained["recompute"]
-        simp += simplicity(n, i, "selective")
-        if i > a:
-            saved = kept - prev
-            _add_span(
-                t, a, i, "selective", fwd_bwd, after, bi.bwd_start - saved + rec, saved,
-                float(cost + cost_r), simp + SPAN_COMPLEXITY * w * (i - a + 1), freed, moved, w,
-            )  # fmt: skip
 
 
 def saved_range(t: Segments, n: int, budget: int) -> tuple[list[int], list[int]]:
@@ -710,16 +556,14 @@ def _walk(t: Segments, seg: list[torch.Tensor], parent: list[torch.Tensor], j: i
     return out[::-1]
 
 
-def unpack(t: Segments, rows: Sequence[int]) -> tuple[list[str], list[tuple[int, ...]]]:
+def unpack(t: Segments, rows: Sequence[int]) -> tuple[list[Decision], list[Span]]:
     """``(decisions, spans)`` of a plan given as segment rows in chain order."""
-    decisions: list[str] = []
-    spans: list[tuple[int, ...]] = []
+    decisions: list[Decision] = []
+    spans: list[Span] = []
     for k in rows:
         decisions.extend([t.decision[k]] * (t.last[k] - t.first[k] + 1))
-        if t.span[k] == OFFLOADED:
-            spans.append((t.first[k], t.last[k], 1))
-        elif t.span[k]:
-            spans.append((t.first[k], t.last[k]))
+        if t.span[k] is not SpanKind.BLOCK:
+            spans.append(Span(t.first[k], t.last[k], t.span[k] is SpanKind.OFFLOADED))
     return decisions, spans
 
 

@@ -13,7 +13,9 @@ and collectives that may not line up. Here the ranks agree instead:
 * :func:`agree_profile` replaces each number of a profile by its largest value
   over the ranks (``all_reduce`` with ``MAX`` on one flat tensor of bytes and
   one of times): bytes of the rank with the most, times of the slowest rank
-  (a synchronous step runs at the pace of its slowest rank). After it, the
+  (a synchronous step runs at the pace of its slowest rank). Which fields agree how is
+  said by each field's metadata in :mod:`remat.planner.types` (``SAME``, ``MAX``,
+  ``MIN``; a field without it is the rank's own: the device, the input shapes). After it, the
   profiles of all ranks are equal, so :func:`remat.plan` (deterministic)
   chooses the same plan on each of them;
 * :func:`agree_max` / :func:`agree_min`: a few numbers (measured peaks,
@@ -27,13 +29,16 @@ return their input unchanged.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from .._errors import PlanError
+from .types import ProfileData
+
+P = TypeVar("P", bound=ProfileData)
 
 
 def active(distributed: bool | None = None) -> bool:
@@ -100,66 +105,84 @@ def agree_max_float(values: Sequence[float]) -> list[float]:
     return [float(v) for v in _reduce([float(v) for v in values], torch.float64, dist.ReduceOp.MAX)]
 
 
-#: The profile's fields that are bytes, and those that are times (or FLOPs).
-_INT_FIELDS = (
-    "top", "pre", "static_bytes", "grad_bytes", "optimizer_state_bytes",
-    "optimizer_first_bytes", "optimizer_later_bytes", "end_bytes", "end_grads", "top_grads", "scratch_bytes",
-    "shared_bytes",
-)  # fmt: skip
-_BLOCK_INTS = ("fwd_start", "bwd_start", "input_bytes", "param_bytes", "bwd_grads", "held_to_end")
-_BLOCK_INT_DICTS = ("retained", "fwd_excess", "bwd_excess", "exit_freed", "pre_exit")
-_BLOCK_FLOAT_DICTS = ("cost", "noise")
+def _fields(obj: Any, kind: str) -> list[tuple[str, bool]]:
+    """The fields of a dataclass that agree by ``kind`` (their ``metadata["agree"]``), each
+    with whether its numbers are floats (times, FLOPs) rather than ints (bytes), by its type."""
+    return [
+        (f.name, "float" in str(f.type))
+        for f in dataclasses.fields(obj)
+        if f.metadata.get("agree") == kind
+    ]
 
 
-def profile_numbers(prof: Any) -> tuple[list[int], list[float]]:
-    """The profile's bytes and times, flattened in a fixed order (see :func:`set_profile_numbers`)."""
-    ints = [int(getattr(prof, f)) for f in _INT_FIELDS]
-    floats = [float(prof.step_cost)]
+def _numbers(obj: Any, kind: str, ints: list[int], floats: list[float]) -> None:
+    """The numbers of ``obj``'s fields that agree by ``kind``, in field order (a dict's by
+    sorted key), appended to ``ints`` or ``floats`` by the field's type."""
+    for name, is_float in _fields(obj, kind):
+        v = getattr(obj, name)
+        values = [v[k] for k in sorted(v)] if isinstance(v, dict) else [v]
+        if is_float:
+            floats += [float(x) for x in values]
+        else:
+            ints += [int(x) for x in values]
+
+
+def _replaced(obj: Any, kind: str, ints: Iterator[int], floats: Iterator[float]) -> Any:
+    """A copy of ``obj`` with the numbers of :func:`_numbers` taken from the iterators."""
+    changes: dict[str, Any] = {}
+    for name, is_float in _fields(obj, kind):
+        v = getattr(obj, name)
+        source = floats if is_float else ints
+        if isinstance(v, dict):
+            changes[name] = {k: next(source) for k in sorted(v)}
+        else:
+            changes[name] = next(source)
+    return dataclasses.replace(obj, **changes)
+
+
+def profile_numbers(prof: ProfileData, kind: str = "max") -> tuple[list[int], list[float]]:
+    """The profile's numbers that agree by ``kind`` (``"max"``: bytes and times; ``"min"``),
+    flattened in a fixed order: the profile's fields, then each block's (see
+    :func:`set_profile_numbers`)."""
+    ints: list[int] = []
+    floats: list[float] = []
+    _numbers(prof, kind, ints, floats)
     for b in prof.blocks:
-        ints += [int(getattr(b, f)) for f in _BLOCK_INTS]
-        for f in _BLOCK_INT_DICTS:
-            d = getattr(b, f)
-            ints += [int(d[k]) for k in sorted(d)]
-        for f in _BLOCK_FLOAT_DICTS:
-            d = getattr(b, f)
-            floats += [float(d[k]) for k in sorted(d)]
+        _numbers(b, kind, ints, floats)
     return ints, floats
 
 
-def set_profile_numbers(prof: Any, ints: Sequence[int], floats: Sequence[float]) -> Any:
+def set_profile_numbers(
+    prof: ProfileData, ints: Sequence[int], floats: Sequence[float], kind: str = "max"
+) -> Any:
     """A copy of ``prof`` with the numbers of :func:`profile_numbers` replaced, in that order."""
     it, ft = iter(ints), iter(floats)
-    out = dataclasses.replace(prof, **{f: next(it) for f in _INT_FIELDS})
-    out.step_cost = next(ft)
-    blocks = []
-    for b in prof.blocks:
-        nb = dataclasses.replace(b, **{f: next(it) for f in _BLOCK_INTS})
-        for f in _BLOCK_INT_DICTS:
-            setattr(nb, f, {k: next(it) for k in sorted(getattr(b, f))})
-        for f in _BLOCK_FLOAT_DICTS:
-            setattr(nb, f, {k: next(ft) for k in sorted(getattr(b, f))})
-        blocks.append(nb)
-    out.blocks = blocks
+    out = _replaced(prof, kind, it, ft)
+    out.blocks = [_replaced(b, kind, it, ft) for b in prof.blocks]
     return out
 
 
-def structure(prof: Any) -> tuple[Any, ...]:
-    """What must be the same on every rank before numbers can be combined."""
-    return (
-        [b.name for b in prof.blocks],
-        list(prof.decisions),
-        prof.cost_unit,
-        prof.grads_kept,
-        prof.optimizer,
-        [
-            tuple(sorted(getattr(b, f))) for b in prof.blocks for f in
-            (*_BLOCK_INT_DICTS, *_BLOCK_FLOAT_DICTS)
-        ],
-    )  # fmt: skip
+def structure(prof: ProfileData) -> tuple[Any, ...]:
+    """What must be the same on every rank before numbers can be combined: the fields that
+    agree as ``"same"`` (the profile's and its blocks'), and the keys of every dict of
+    numbers."""
+    same = [repr(getattr(prof, f)) for f, _ in _fields(prof, "same")]
+    for b in prof.blocks:
+        same += [repr(getattr(b, f)) for f, _ in _fields(b, "same")]
+        for kind in ("max", "min"):
+            same += [
+                repr(sorted(map(str, getattr(b, f))))
+                for f, _ in _fields(b, kind)
+                if isinstance(getattr(b, f), dict)
+            ]
+    return tuple(same)
 
 
-def agree_profile(prof: Any) -> Any:
-    """The profile every rank plans with: each number the largest over the ranks.
+def agree_profile(prof: P) -> P:
+    """The profile every rank plans with: each number the largest over the ranks (the
+    smallest for fields that agree by ``"min"``: a span input is offered for offload only
+    where every rank found it free to move), as each field's metadata says
+    (:data:`remat.planner.types.MAX`).
 
     Raises ``PlanError`` on every rank when the ranks profiled different blocks or
     decisions. Returns ``prof`` itself without a process group of two or more ranks.
@@ -169,7 +192,5 @@ def agree_profile(prof: Any) -> Any:
     agree_same(structure(prof), "the profiled blocks and decisions")
     ints, floats = profile_numbers(prof)
     out = set_profile_numbers(prof, agree_max(ints), agree_max_float(floats))
-    # a span input is offered for offload only where every rank found it free to move
-    for b, f in zip(out.blocks, agree_min([b.offload_input for b in prof.blocks])):
-        b.offload_input = f
-    return out
+    ints, floats = profile_numbers(out, "min")
+    return set_profile_numbers(out, agree_min(ints), floats, "min")  # type: ignore[no-any-return]

@@ -1,61 +1,105 @@
-"""Exact solvers over the activation terms of the step model (:mod:`remat.planner.model`).
+"""``remat.plan``: the least-cost plan that meets a budget; :class:`Profile` and :class:`Plan`.
 
-Planning is two exact solves over the same constraints (every activation term
-``<= budget``):
+Planning is two exact solves over the same constraints (every activation term of the
+step model, :mod:`remat.planner.stepmodel`, ``<= budget``):
 
 1. the least predicted added cost ``C*``;
 2. among plans costing at most ``C* + tolerance`` (the timing noise, 0 for
    FLOPs), the simplest: fewest non-``keep`` blocks, weighted ``keep`` <
-   ``selective`` < ``recompute`` < ``offload`` < ``split``, then earlier blocks first.
-   The second objective is integral and depends on bytes and structure only,
-   so near-ties from timing noise always resolve the same way.
+   ``selective`` < ``recompute`` < ``offload`` < ``split``, then earlier blocks first
+   (:func:`~remat.planner.chain.simplicity`). The second objective is integral and
+   depends on bytes and structure only, so near-ties from timing noise always resolve
+   the same way.
 
-:func:`solve` does both with HiGHS (``scipy.optimize.milp``, extra
-``remat[plan]``, relative MIP gap 0) or with an exact dynamic program over
-blocks whose state is the bytes saved so far, keeping the Pareto front of
-(cost, simplicity); :func:`brute_force` enumerates, for tests.
+With spans (the default) the chain dynamic program (:mod:`remat.planner.chain`) does
+both; without, the per-block solvers (:mod:`remat.planner.perblock`: HiGHS or a dynamic
+program). The floor (the smallest reachable peak), the plan's table and ``PlanError``'s
+numbers all come from the same step model.
 """
 
 from __future__ import annotations
 
-import bisect
-import itertools
+import math
 from collections.abc import Sequence
-from typing import Any
 
+from torch import nn
+
+from .._errors import PlanError
+from .apply import apply_plan
 from .chain import (
-    COMPLEXITY,
-    SPAN_COMPLEXITY,
     TooManyStates,
-    choices,
     cost_to_go,
     segment_table,
     simplest,
-    simplicity,
     smallest,
     unpack,
 )
-from .model import BlockCosts, predicted_cost, predicted_peak
+from .perblock import solve_dp, solve_milp
+from .render import miss_message, plan_table
+from .stepmodel import (
+    attribution,
+    budget_of,
+    predicted_cost,
+    predicted_peak,
+    solver_terms,
+    step_peak,
+    unchecked_peak,
+)
+from .types import BlockCosts, Decision, PlanData, ProfileData, Span, SpanLike, StepPeak
 
 __all__ = [
-    "COMPLEXITY",
-    "SPAN_COMPLEXITY",
-    "brute_force",
-    "choices",
-    "plan_simplicity",
-    "simplicity",
+    "Plan",
+    "Profile",
+    "floor",
+    "plan",
     "smallest_chain",
     "smallest_peak",
     "solve",
     "solve_chain",
-    "solve_dp",
-    "solve_milp",
 ]
 
 
-def plan_simplicity(decisions: Sequence[str]) -> int:
-    n = len(decisions)
-    return sum(simplicity(n, i, d) for i, d in enumerate(decisions))
+class Profile(ProfileData):
+    """Measured costs of a model's training step and candidate blocks; input of
+    :func:`remat.plan` (the fields: :class:`~remat.planner.types.ProfileData`), with the
+    step model's answers.
+
+    Example:
+        >>> import torch, remat
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
+        >>> prof = remat.profile(model, torch.randn(8, 16), timer="flops")
+        >>> prof.floor_bytes <= prof.unchecked_peak_bytes
+        True
+    """
+
+    def peak(self, decisions: Sequence[str], spans: Sequence[SpanLike] = ()) -> StepPeak:
+        """The step model's peak for a plan: one decision per block and spans as
+        :class:`~remat.planner.types.Span` s (or ``(first, last)`` block indices)."""
+        return step_peak(self, decisions, spans)
+
+    @property
+    def unchecked_peak_bytes(self) -> int:
+        """Predicted peak of a step with every block kept (absolute bytes of tensors; the
+        allocator's adds at most ``scratch_bytes``)."""
+        return unchecked_peak(self).bytes
+
+    @property
+    def floor_bytes(self) -> int:
+        """The smallest predicted step peak any plan reaches (absolute bytes of tensors):
+        the smallest budget :func:`remat.plan` meets is this plus ``scratch_bytes``."""
+        return floor(self)[2].bytes
+
+
+class Plan(PlanData):
+    """One decision per candidate block, with what the step model predicts for it (the
+    fields: :class:`~remat.planner.types.PlanData`). ``str(plan)`` is its table."""
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """Checkpoint ``model``'s blocks in place as decided; returns the model."""
+        return apply_plan(self, model)
+
+    def __str__(self) -> str:
+        return plan_table(self)
 
 
 def solve_chain(
@@ -67,8 +111,8 @@ def solve_chain(
     max_span: int = 16,
     cost_cap: float | None = None,
     chained: Sequence[bool] | None = None,
-    held: Sequence[bool] | None = None,
-) -> tuple[list[str], list[tuple[int, ...]]] | None:
+    kept_outputs: Sequence[bool] | None = None,
+) -> tuple[list[Decision], list[Span]] | None:
     """Exact optimum over per-block decisions and spans of consecutive blocks.
 
     The chain dynamic program of :mod:`remat.planner.chain` (Chen et al. 2016,
@@ -77,12 +121,12 @@ def solve_chain(
     arXiv:1911.13214). Without ``cost_cap``: a plan of the least cost; with it: the
     simplest plan whose cost is at most ``cost_cap``. Spans join block ``i`` to ``i + 1``
     only where ``chained[i]`` (default: everywhere), and never hold blocks ``i..i+2``
-    where ``held[i]`` (:func:`~remat.planner.chain.span_end`).
+    where ``kept_outputs[i]`` (:func:`~remat.planner.chain.span_end`).
 
-    Returns ``(decisions, spans)`` (spans as ``(first, last)`` indices), or ``None``.
+    Returns ``(decisions, spans)``, or ``None``.
     """
     n = len(blocks)
-    t = segment_table(blocks, allowed, max(1, max_span), chained, held)
+    t = segment_table(blocks, allowed, max(1, max_span), chained, kept_outputs)
     ctg = cost_to_go(t, n, top, budget)
     if cost_cap is None:
         return None if ctg.least() is None else unpack(t, ctg.cheapest(t))
@@ -100,14 +144,14 @@ def solve(
     solver: str = "milp",
     max_span: int = 1,
     chained: Sequence[bool] | None = None,
-    held: Sequence[bool] | None = None,
-) -> tuple[list[str], list[tuple[int, ...]]] | None:
+    kept_outputs: Sequence[bool] | None = None,
+) -> tuple[list[Decision], list[Span]] | None:
     """The simplest plan within ``tolerance`` of the least cost: ``(decisions, spans)``, or
     ``None`` when none fits. ``max_span > 1`` allows spans (solved by :func:`solve_chain`);
     otherwise ``solver`` picks the MILP or the per-block DP."""
     if max_span > 1 or solver == "chain":
         n = len(blocks)
-        t = segment_table(blocks, allowed, max(1, max_span), chained, held)
+        t = segment_table(blocks, allowed, max(1, max_span), chained, kept_outputs)
         ctg = cost_to_go(t, n, top, budget)
         least = ctg.least()
         if least is None:
@@ -141,215 +185,202 @@ def _cap(cost: float, tolerance: float) -> float:
     return cap + 1e-9 * max(abs(cap), 1e-30)  # float sums in another order
 
 
-def solve_dp(
-    blocks: Sequence[BlockCosts],
-    top: int,
-    budget: int,
-    allowed: Sequence[str],
-    *,
-    cost_cap: float | None = None,
-) -> list[str] | None:
-    """Exact optimum by dynamic programming over the Pareto front of (saved bytes, cost).
-
-    With ``cost_cap``: the simplest plan (:func:`simplicity`) whose cost is at
-    most ``cost_cap``. Returns the decisions, or ``None`` when no plan fits.
-    """
-    n = len(blocks)
-    # state: saved bytes -> non-dominated (cost, simplicity, decisions)
-    front: dict[int, list[tuple[float, int, tuple[str, ...]]]] = {0: [(0.0, 0, ())]}
-    for i, (b, opts) in enumerate(zip(blocks, choices(blocks, allowed))):
-        nxt: dict[int, list[tuple[float, int, tuple[str, ...]]]] = {}
-        for saved, entries in front.items():
-            for d in opts:
-                if b.fwd_start - saved + b.fwd_excess[d] > budget:
-                    continue
-                s2 = saved + b.retained["keep"] - b.retained[d]
-                if b.bwd_start - s2 + b.bwd_excess[d] > budget:
-                    continue
-                for cost, simp, ds in entries:
-                    c2 = cost + b.cost[d]
-                    if cost_cap is not None and c2 > cost_cap:
-                        continue
-                    nxt.setdefault(s2, []).append((c2, simp + simplicity(n, i, d), (*ds, d)))
-        front = {}
-        for s2, entries in nxt.items():
-            front[s2] = _pareto(entries, by_simplicity=cost_cap is not None)
-        front = _prune_states(front, by_simplicity=cost_cap is not None)
-    feasible = [e for s, es in front.items() if top - s <= budget for e in es]
-    if not feasible:
-        return None
-    if cost_cap is None:
-        return list(min(feasible, key=lambda e: (e[0], e[1]))[2])
-    return list(min(feasible, key=lambda e: (e[1], e[0]))[2])
-
-
-def _pareto(
-    entries: list[tuple[float, int, Any]], by_simplicity: bool
-) -> list[tuple[float, int, Any]]:
-    """Entries not dominated in (cost, simplicity) (cost only without the second stage)."""
-    if not by_simplicity:
-        return [min(entries, key=lambda e: (e[0], e[1]))]
-    out: list[tuple[float, int, Any]] = []
-    best_simp: int | None = None
-    for e in sorted(entries, key=lambda e: (e[0], e[1])):
-        if best_simp is None or e[1] < best_simp:
-            out.append(e)
-            best_simp = e[1]
-    return out
-
-
-def _prune_states(
-    front: dict[int, list[tuple[float, int, Any]]], by_simplicity: bool
-) -> dict[int, list[tuple[float, int, Any]]]:
-    """Drop entries dominated by a state that saved more bytes at no more cost (and simplicity).
-
-    States are visited from the most saved down; the entries kept so far form a
-    staircase (cost ascending, simplicity strictly descending), so "is there a kept
-    entry with cost <= c and simplicity <= p" is one binary search.
-    """
-    out: dict[int, list[tuple[float, int, Any]]] = {}
-    if not by_simplicity:
-        best = float("inf")
-        for s2 in sorted(front, reverse=True):
-            e = min(front[s2], key=lambda e: (e[0], e[1]))
-            if e[0] < best:
-                out[s2] = [e]
-                best = e[0]
-        return out
-    costs: list[float] = []  # staircase: cost ascending ...
-    simps: list[int] = []  # ... simplicity strictly descending
-    for s2 in sorted(front, reverse=True):
-        survivors = []
-        for e in sorted(front[s2], key=lambda e: (e[0], e[1])):
-            k = bisect.bisect_right(costs, e[0]) - 1
-            if k >= 0 and simps[k] <= e[1]:
-                continue
-            survivors.append(e)
-        for e in survivors:
-            k = bisect.bisect_right(costs, e[0])
-            # drop staircase entries this one dominates (cost >= e's, simplicity >= e's)
-            m = k
-            while m < len(costs) and simps[m] >= e[1]:
-                m += 1
-            costs[k:m] = [e[0]]
-            simps[k:m] = [e[1]]
-        if survivors:
-            out[s2] = survivors
-    return out
-
-
-def solve_milp(
-    blocks: Sequence[BlockCosts],
-    top: int,
-    budget: int,
-    allowed: Sequence[str],
-    *,
-    cost_cap: float | None = None,
-) -> list[str] | None:
-    """Exact optimum with HiGHS (``scipy.optimize.milp``); ``None`` when infeasible.
-
-    With ``cost_cap``: the simplest plan (:func:`simplicity`) whose cost is at most ``cost_cap``.
-    """
-    try:
-        import numpy as np
-        from scipy.optimize import Bounds, LinearConstraint, milp
-    except ImportError as e:  # pragma: no cover - exercised only without the extra
-        raise ImportError(
-            "remat.plan with solver='milp' needs scipy: pip install 'remat[plan]' "
-            "(or pass solver='dp')."
-        ) from e
-    opts = choices(blocks, allowed)
-    index = [(i, d) for i, ds in enumerate(opts) for d in ds]
-    col = {k: j for j, k in enumerate(index)}
-    n = len(index)
-    cost = np.array([blocks[i].cost[d] for i, d in index], dtype=float)
-    rows: list[Any] = []
-    lo: list[float] = []
-    hi: list[float] = []
-    for i, ds in enumerate(opts):  # one decision per block
-        r = np.zeros(n)
-        for d in ds:
-            r[col[(i, d)]] = 1
-        rows.append(r)
-        lo.append(1)
-        hi.append(1)
-
-    def saved_row(upto: int) -> Any:
-        r = np.zeros(n)
-        for j in range(upto):
-            for d in opts[j]:
-                r[col[(j, d)]] = blocks[j].retained["keep"] - blocks[j].retained[d]
-        return r
-
-    for i, b in enumerate(blocks):
-        # fwd_start - saved(i-1) + fwd_excess[d_i] <= budget
-        r = -saved_row(i)
-        for d in opts[i]:
-            r[col[(i, d)]] += b.fwd_excess[d]
-        rows.append(r)
-        lo.append(-np.inf)
-        hi.append(budget - b.fwd_start)
-        # bwd_start - saved(i) + bwd_excess[d_i] <= budget
-        r = -saved_row(i + 1)
-        for d in opts[i]:
-            r[col[(i, d)]] += b.bwd_excess[d]
-        rows.append(r)
-        lo.append(-np.inf)
-        hi.append(budget - b.bwd_start)
-    rows.append(-saved_row(len(blocks)))
-    lo.append(-np.inf)
-    hi.append(budget - top)
-    if cost_cap is None:
-        objective = cost
-    else:
-        rows.append(cost)
-        lo.append(-np.inf)
-        hi.append(cost_cap)
-        objective = np.array([simplicity(len(blocks), i, d) for i, d in index], dtype=float)
-    res = milp(
-        objective,
-        constraints=LinearConstraint(np.array(rows), np.array(lo), np.array(hi)),
-        integrality=np.ones(n),
-        bounds=Bounds(0, 1),
-        options={"mip_rel_gap": 0.0},
-    )
-    if res.status != 0 or res.x is None:
-        return None
-    out = ["keep"] * len(blocks)
-    for (i, d), v in zip(index, res.x):
-        if v > 0.5:
-            out[i] = d
-    return out
-
-
 def smallest_chain(
     blocks: Sequence[BlockCosts],
     top: int,
     allowed: Sequence[str],
     max_span: int,
     chained: Sequence[bool] | None = None,
-    held: Sequence[bool] | None = None,
-) -> tuple[list[str], list[tuple[int, ...]]]:
+    kept_outputs: Sequence[bool] | None = None,
+) -> tuple[list[Decision], list[Span]]:
     """A plan (with spans up to ``max_span`` blocks, joining blocks only where ``chained``
-    and ``held`` allow: :func:`~remat.planner.chain.span_end`) of the smallest predicted
-    activation peak."""
-    t = segment_table(blocks, allowed, max(1, max_span), chained, held)
+    and ``kept_outputs`` allow: :func:`~remat.planner.chain.span_end`) of the smallest
+    predicted activation peak."""
+    t = segment_table(blocks, allowed, max(1, max_span), chained, kept_outputs)
     return unpack(t, smallest(t, len(blocks), top))
 
 
 def smallest_peak(blocks: Sequence[BlockCosts], top: int, allowed: Sequence[str]) -> int:
-    """The smallest predicted activation peak any plan reaches."""
+    """The smallest predicted activation peak any plan without spans reaches."""
     return predicted_peak(blocks, top, smallest_chain(blocks, top, allowed, 1)[0])
 
 
-def brute_force(
-    blocks: Sequence[BlockCosts], top: int, budget: int, allowed: Sequence[str]
-) -> list[str] | None:
-    """Every plan, for tests on small chains: the cheapest that fits."""
-    best: tuple[float, list[str]] | None = None
-    for ds in itertools.product(*choices(blocks, allowed)):
-        if predicted_peak(blocks, top, ds) <= budget:
-            c = predicted_cost(blocks, ds)
-            if best is None or c < best[0]:
-                best = (c, list(ds))
-    return None if best is None else best[1]
+def floor(
+    profile: ProfileData, max_span: int = 16
+) -> tuple[list[Decision], list[Span], StepPeak]:
+    """The plan of the smallest predicted step peak (spans up to ``max_span`` blocks), and
+    that peak."""
+    terms = solver_terms(profile)
+    ds, spans = smallest_chain(
+        terms.blocks,
+        terms.top,
+        profile.decisions,
+        max_span,
+        profile.spans_may_join,
+        profile.outputs_kept,
+    )
+    low = step_peak(profile, ds, spans)
+    keep_all = unchecked_peak(profile)
+    if keep_all.bytes < low.bytes:  # only with shared bytes: no checkpoint, nothing kept
+        return [Decision.KEEP] * len(profile.blocks), [], keep_all
+    return ds, spans, low
+
+
+def _solver(name: str) -> str:
+    if name not in ("auto", "milp", "dp"):
+        raise ValueError(f"remat.plan: solver must be 'auto', 'milp' or 'dp', got {name!r}.")
+    if name == "auto":
+        try:
+            import scipy.optimize  # noqa: F401
+
+            return "milp"
+        except ImportError:
+            return "dp"
+    return name
+
+
+def _tolerance(profile: ProfileData, allowed: Sequence[str]) -> float:
+    """Timing noise of a plan's cost: near-ties within it go to the simpler plan."""
+    if profile.cost_unit != "s":
+        return 0.0
+    sq = 0.0
+    for b in profile.blocks:
+        sq += max([b.noise.get(Decision(d), 0.0) for d in allowed] + [0.0]) ** 2
+    return math.sqrt(sq)
+
+
+def _check_profile(profile: object) -> None:
+    if not isinstance(profile, ProfileData):
+        raise TypeError(
+            f"remat.plan: profile must be a remat.Profile (from remat.profile(model, *inputs)), "
+            f"got {type(profile).__name__} ({profile!r:.60}). Profile the model first, or call "
+            "remat.auto_checkpoint(model, *inputs, budget=...) to do all steps at once."
+        )
+
+
+def plan(
+    profile: ProfileData,
+    budget: int | float | str,
+    *,
+    solver: str = "auto",
+    spans: bool | None = None,
+    max_span: int = 16,
+) -> Plan:
+    """Choose one decision per block: least predicted added time with predicted step peak <= budget.
+
+    Near-ties (plans whose predicted costs differ by less than the timing
+    noise the profile measured) go to the simpler plan, the same one every
+    time (see :mod:`remat.planner.solve`).
+
+    Args:
+        profile: a :class:`~remat.Profile` from :func:`remat.profile`.
+        budget: the peak of one training step in bytes (an int, or ``"18GiB"``;
+            ``"18GB"`` is 18 * 10**9), counting parameters, gradients, optimizer
+            state and activations, as ``torch.cuda.max_memory_allocated()`` does; or a
+            percentage above ``0%`` (``"60%"``) of what the unchecked step allocates
+            above its static bytes (parameters, buffers, inputs, kept gradients and
+            optimizer state). Anything else raises ``ValueError``/``TypeError`` naming it.
+        solver: ``"auto"`` (default), ``"dp"`` or ``"milp"``, all exact. With spans
+            (the default) the chain dynamic program of :func:`solve_chain` plans
+            (``"auto"`` and ``"dp"``); ``"milp"`` (HiGHS via scipy, the ``remat[plan]``
+            extra) plans one decision per block, so it implies ``spans=False``. Without
+            spans ``"auto"`` is milp when scipy is installed, else the per-block dynamic
+            program.
+        spans: also consider regions that span up to ``max_span`` consecutive
+            blocks, the blocks inside plain (``keep``), checkpointed (``recompute``),
+            selective (``selective``) or split into their children (``split``): this
+            goes below the every-block floor, at the cost of recomputing the span's
+            blocks once more. Only blocks the model calls back to back join a span
+            (``Profile.chained``), and a block whose output the model keeps past the
+            next block (a skip connection: ``Profile.kept_outputs``) is never in a
+            span with the two blocks after it. ``None`` (default): ``True``, unless
+            ``solver="milp"``. ``False``: one decision per block. A span plan costs at
+            most what the best per-block plan costs.
+        max_span: the longest span considered (blocks).
+
+    Returns:
+        A :class:`Plan`.
+
+    Raises:
+        PlanError: when no plan reaches the budget; the message gives the
+            smallest reachable peak, where it falls, and what else would lower it.
+
+    Example:
+        >>> import torch, remat
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
+        >>> prof = remat.profile(model, torch.randn(8, 16), timer="flops")
+        >>> p = remat.plan(prof, "100%")
+        >>> set(p.decisions.values())
+        {'keep'}
+    """
+    _check_profile(profile)
+    if isinstance(max_span, bool) or not isinstance(max_span, int) or max_span < 1:
+        raise ValueError(f"remat.plan: max_span must be an int >= 1, got {max_span!r}.")
+    if spans is not None and not isinstance(spans, bool):
+        raise TypeError(f"remat.plan: spans must be True, False or None, got {spans!r}.")
+    if spans and solver == "milp":
+        raise ValueError(
+            "remat.plan: solver='milp' plans one decision per block, got spans=True with it. "
+            "Pass solver='auto' (or 'dp') to plan spans, or spans=False (or leave it out) "
+            "for the MILP."
+        )
+    if spans is None:
+        spans = solver != "milp"
+    checked = _solver(solver)
+    longest = max_span if spans else 1
+    budget_bytes = budget_of(profile, budget)
+    scratch = profile.scratch_bytes
+    unchecked = unchecked_peak(profile)
+    low = floor(profile, longest)[2]
+    if low.bytes + scratch > budget_bytes:
+        raise PlanError(miss_message(budget_bytes, low, unchecked.bytes, scratch))
+    n = len(profile.blocks)
+    found: tuple[list[Decision], list[Span]] | None = None
+    if profile.shared_bytes and unchecked.bytes + scratch <= budget_bytes:
+        found = ([Decision.KEEP] * n, [])  # no checkpoint: the shared bytes die in forward
+    else:
+        terms = solver_terms(profile)
+        # Where an autocast region ends before backward the solvers' single running sum
+        # cannot be exact in forward: optimistic terms first (a plan that fits under the
+        # exact ones is then optimal), else the safe ones (see stepmodel.exit_view).
+        tries = [terms.blocks] if terms.optimistic is None else [terms.optimistic, terms.blocks]
+        for blocks in tries:
+            found = solve(
+                blocks,
+                terms.top,
+                budget_bytes - profile.static_step_bytes - scratch,
+                profile.decisions,
+                tolerance=_tolerance(profile, profile.decisions),
+                solver="chain" if spans else checked,
+                max_span=longest,
+                chained=profile.spans_may_join,
+                kept_outputs=profile.outputs_kept,
+            )
+            if found is None or step_peak(profile, *found).bytes + scratch <= budget_bytes:
+                break
+    if found is None:  # cannot happen when the floor fits; kept as a guard
+        raise PlanError(miss_message(budget_bytes, low, unchecked.bytes, scratch))
+    decisions, chosen = found
+    peak = step_peak(profile, decisions, chosen)
+    blocks = profile.blocks
+    saved, added = attribution(blocks, decisions, chosen)
+    return Plan(
+        decisions={b.name: d for b, d in zip(blocks, decisions)},
+        predicted_peak_bytes=peak.bytes,
+        predicted_overhead_s=predicted_cost(blocks, decisions, chosen),
+        unchecked_peak_bytes=unchecked.bytes,
+        budget_bytes=budget_bytes,
+        saved_bytes=saved,
+        added_cost=added,
+        cost_unit=profile.cost_unit,
+        static_bytes=profile.static_bytes,
+        peak_at=peak.where,
+        breakdown=peak.breakdown,
+        peak_movable=peak.movable,
+        spans=[[blocks[sp.first].name, blocks[sp.last].name] for sp in chosen],
+        scratch_bytes=scratch,
+        offloaded_spans=[
+            [blocks[sp.first].name, blocks[sp.last].name] for sp in chosen if sp.offloaded
+        ],
+        peak_phase=peak.at.phase,
+    )

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .._selective import _RECOMPUTE
+from .._selective import RECOMPUTE_ENTRY
 from .._state import ForwardState
 from .._tree import tensors_in
 
@@ -167,7 +167,7 @@ def flop_costs(
         entries = save_mode.store.entries  # type: ignore[attr-defined]
         total = float(sum(f for _, _, f in counter.calls))
         unsaved = float(
-            sum(f for func, i, f in counter.calls if _entry(entries, func, i) is _RECOMPUTE)
+            sum(f for func, i, f in counter.calls if _entry(entries, func, i) is RECOMPUTE_ENTRY)
         )
         for d in decisions:
             out[d][n] = {

@@ -1,0 +1,477 @@
+"""What the profile records during its steps: hooks on the candidate blocks, as named classes.
+
+Each probe is a small class with ``before(i, args, kwargs)`` (block ``i``'s forward is about
+to run) and ``after(i, args, kwargs, out)`` (it returned) methods, put on the blocks by
+:class:`remat.memory.BlockHooks` (the one implementation of module boundaries, which
+:func:`remat.memory.track_modules` uses too); hooks that fire during a checkpoint's
+recompute are ignored. The
+probes only record; :mod:`remat.planner.stepmodel` turns what they record into terms.
+
+* :class:`CallCount`: how often each block runs, which blocks pass their output straight
+  to the next (``Profile.chained``), which change an input in place.
+* :class:`TimelineProbe`: the bytes at the boundaries of a step's contiguous windows
+  (before the blocks, each block's forward, head and loss, each block's backward) into a
+  :class:`~remat.planner.types.Timeline`, on :mod:`remat.memory`'s windows.
+* :class:`InputFrees`: block outputs the next block frees, block inputs alive to the end of
+  forward, tensors passed to several blocks.
+* :class:`KeptOutputs` (:func:`kept_outputs`): outputs the model's own code keeps past the
+  next block.
+* :class:`OffloadProbe` (:func:`offload_inputs`): block inputs nothing else holds once the
+  block returns (a span may offload them).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import warnings
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import memory
+from .._tree import tensors_in
+from ..memory import BlockHooks
+from .amp import fresh_region
+from .apply import apply_decision
+from .state import StepState, grad_bytes, storage_bytes
+from .types import Decision, Timeline
+
+_log = logging.getLogger(__name__)
+
+Sized = list[tuple[weakref.ref[torch.Tensor], int]]
+
+
+def storage_key(t: torch.Tensor) -> set[int]:
+    """``{data_ptr}`` of ``t``'s storage (empty for none: a tensor subclass, an empty one)."""
+    try:
+        st = t.untyped_storage()
+        return {st.data_ptr()} if st.nbytes() else set()
+    except (RuntimeError, NotImplementedError):
+        return set()
+
+
+def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are views of one (non-empty) storage."""
+    try:
+        sa, sb = a.untyped_storage(), b.untyped_storage()
+        return bool(sa.nbytes() and sa.data_ptr() == sb.data_ptr())  # empty ones share none
+    except (RuntimeError, NotImplementedError):  # no storage (a tensor subclass)
+        return False
+
+
+def dead_bytes(sized: Sized) -> int:
+    """The bytes of the entries of ``sized`` whose tensor has died."""
+    return sum(b for r, b in sized if r() is None)
+
+
+def sizes(refs: list[weakref.ref[torch.Tensor]]) -> Sized:
+    """Each live tensor's storage bytes, each storage once."""
+    out, seen = [], set()
+    for r in refs:
+        t = r()
+        if t is None:
+            continue
+        try:
+            st = t.untyped_storage()
+            key, nbytes = st.data_ptr(), st.nbytes()
+        except (RuntimeError, NotImplementedError):  # no storage (a tensor subclass)
+            continue
+        if nbytes and key not in seen:
+            seen.add(key)
+            out.append((r, nbytes))
+    return out
+
+
+class CallCount:
+    """How often each candidate block runs in one forward (recomputes not counted),
+    whether each block received a tensor the block called just before it returned (the
+    blocks a span may join: nothing of the model's own code between them), and which
+    blocks change one of their input tensors in place (``nn.ReLU(inplace=True)`` as a
+    block). A block that returns a view of the previous block's output is not chained to
+    it."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = list(names)
+        self.counts = [0] * len(self.names)
+        self.chained = [False] * max(len(self.names) - 1, 0)
+        self.last: int | None = None  # the block that returned last
+        self.returned: list[weakref.ref[torch.Tensor]] = []
+        self.mutating: set[str] = set()
+        self.versions: dict[int, list[tuple[torch.Tensor, int]]] = {}  # the running block's
+
+    def before(self, i: int, args: Any, kwargs: Any) -> None:
+        self.counts[i] += 1
+        got: list[torch.Tensor] = []
+        tensors_in((args, kwargs), got)
+        self.versions[i] = [(t, t._version) for t in got]
+        if i > 0 and self.last == i - 1:
+            self.chained[i - 1] = any(r() is t for r in self.returned for t in got)
+
+    def after(self, i: int, args: Any, kwargs: Any, out: Any) -> None:
+        if any(t._version != v for t, v in self.versions.pop(i, [])):
+            self.mutating.add(self.names[i])
+        outs: list[torch.Tensor] = []
+        tensors_in(out, outs)
+        if i > 0 and self.chained[i - 1]:
+            # A view of what the previous block returned (a Flatten, a reshape): a span
+            # that ends here would keep that output alive, which the step model counts
+            # as freed. Such blocks do not join the block before them.
+            got = [t for r in self.returned if (t := r()) is not None]
+            if any(shares_storage(o, t) for o in outs for t in got):
+                self.chained[i - 1] = False
+        self.last = i
+        self.returned = [weakref.ref(t) for t in outs]
+
+    def check(self) -> None:
+        """Raise unless every block ran exactly once: the planner models a chain."""
+        bad = {n: c for n, c in zip(self.names, self.counts) if c != 1}
+        if bad:
+            listed = ", ".join(f"{n!r} ran {c} times" for n, c in bad.items())
+            raise ValueError(
+                f"remat.profile: every candidate block must run exactly once per forward (the "
+                f"planner models a chain of blocks), but {listed}. Pass check_fn=lambda name, "
+                "module: ... that selects only blocks the model calls once per step (a block "
+                "reused twice, or skipped, cannot be planned alone)."
+            )
+
+
+class TimelineProbe:
+    """Reads a tracker at the boundaries of a step's contiguous windows into a
+    :class:`~remat.planner.types.Timeline` (``line``).
+
+    ``params``: the parameters whose gradients the step creates (none when they are kept).
+    While it is on, ``torch.clear_autocast_cache`` (the end of an autocast region: the
+    caller's, emulated before backward by :func:`~remat.planner.amp.outside`, or one inside
+    the model's forward) goes through :meth:`_clear_cache`; :meth:`remove` puts it back.
+    """
+
+    def __init__(
+        self,
+        tracker: memory.MemoryTracker,
+        n: int,
+        params: list[torch.Tensor],
+        counted: torch.device | None,
+    ) -> None:
+        self.tracker = tracker
+        self.params = params
+        self.counted = counted
+        self.last = n - 1
+        self.line = Timeline(
+            fwd_start=[0] * n, fwd_peak=[0] * n, bwd_start=[None] * n, bwd_peak=[0] * n,
+            bwd_grads=[0] * n, input_bytes=[0] * n,
+        )  # fmt: skip
+        self.phase: tuple[str, int] = ("pre", -1)
+        self.window = tracker.open_window()
+        self.seq = [0] * (n + 1)  # tracker.allocations at each block's forward start, and top's
+        self.real_clear = torch.clear_autocast_cache
+        torch.clear_autocast_cache = self._clear_cache  # type: ignore[assignment]
+
+    def _switch(self, phase: tuple[str, int]) -> int:
+        """Close the open window (its peak goes to its phase), open one for ``phase``."""
+        peak = self.tracker.close_window(self.window)
+        kind, i = self.phase
+        line = self.line
+        grads = grad_bytes(self.params, self.counted)
+        if kind == "pre":
+            line.pre_peak = peak
+        elif kind == "fwd":
+            line.fwd_peak[i] = peak
+        elif kind == "top":
+            line.top_peak, line.top_grads = peak, grads
+        elif kind == "bwd":
+            line.bwd_peak[i], line.bwd_grads[i] = peak, grads
+        self.window = self.tracker.open_window()
+        self.phase = phase
+        return self.window.start
+
+    def before(self, i: int, args: Any, kwargs: Any) -> None:
+        found: list[torch.Tensor] = []
+        tensors_in(args, found)  # the positional inputs (keyword ones are not a block's own)
+        self.line.input_bytes[i] = storage_bytes(found, self.counted)
+        self.line.fwd_start[i] = self._switch(("fwd", i))
+        self.seq[i] = self.tracker.allocations
+
+    def after(self, i: int, args: Any, kwargs: Any, out: Any) -> None:
+        if i == self.last:
+            self.line.top_start = self._switch(("top", -1))
+            self.seq[-1] = self.tracker.allocations
+        outs: list[torch.Tensor] = []
+        tensors_in(out, outs)
+        outs = [t for t in outs if t.requires_grad]
+        if outs:
+            torch.autograd.graph.register_multi_grad_hook(outs, BackwardStart(self, i), mode="any")
+
+    def _clear_cache(self) -> None:
+        """``torch.clear_autocast_cache`` while the step runs: between the last block's
+        forward and its backward (the region's end), split the ``top`` window there and
+        count, per block, the bytes of its forward window that die (its cached casts)."""
+        if self.phase[0] != "top":
+            self.real_clear()
+            return
+        line, tracker = self.line, self.tracker
+        if line.top_pre_peak is None:
+            line.top_pre_peak = tracker.close_window(self.window)
+            self.window = tracker.open_window()
+            line.exit_freed = [0] * len(line.fwd_start)
+        for seq, nbytes in tracker.freed_by(self.real_clear):
+            i = bisect.bisect_right(self.seq, seq) - 1
+            if 0 <= i < len(line.exit_freed):  # allocated in block i's forward window
+                line.exit_freed[i] += nbytes
+        self.window.peak = self.window.start = tracker.current_bytes
+
+    def backward_start(self, i: int) -> None:
+        if self.line.bwd_start[i] is None:
+            self.line.bwd_start[i] = self._switch(("bwd", i))
+
+    def finish(self) -> None:
+        """Close the last window (backward has returned); read the bytes alive now."""
+        self._switch(("end", -1))
+        self.line.end_bytes = self.tracker.current_bytes
+        self.line.end_grads = grad_bytes(self.params, self.counted)
+
+    def remove(self) -> None:
+        torch.clear_autocast_cache = self.real_clear  # type: ignore[assignment]
+        self.tracker.close_window(self.window)
+
+
+class BackwardStart:
+    """Gradient hook on a block's outputs: its backward window starts."""
+
+    def __init__(self, probe: TimelineProbe, i: int) -> None:
+        self.probe = probe
+        self.i = i
+
+    def __call__(self, _: Any) -> None:
+        self.probe.backward_start(self.i)
+
+
+class InputFrees:
+    """For the step under ``keep``: the bytes of each block's output that die while the next
+    block runs (the next block saves none of it and nothing else holds it), and for the last
+    block by the end of the model's forward (the head saves none of it); the shared
+    arguments (``shared``). For that step and the one under ``offload``: each block's
+    inputs alive when its window ends and dead when forward returns (``held_to_end``).
+
+    The step model adds each block's bytes at its own decision, so a free that happens only
+    because the block before does not hold its output is a pair effect: under ``selective``
+    the block's cache can hold that output (the step model counts it as held).
+
+    Its forward hook on ``model`` (:meth:`end`) is removed by :meth:`remove`.
+    """
+
+    def __init__(self, model: nn.Module, n: int, inputs: Sequence[torch.Tensor]):
+        self.freed = [0] * n
+        # tensors passed to two or more blocks that the model's forward made (not its
+        # inputs, parameters or buffers, nor what one block passes to the next)
+        self.outside = {id(t) for t in inputs}
+        self.outside |= {id(t) for t in model.parameters()} | {id(t) for t in model.buffers()}
+        self.args: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}  # id -> (ref, blocks)
+        self.arg_sizes: dict[int, Sized] = {}
+        self.out_sizes: Sized = []  # the last block's
+        self.last = n - 1
+        self.shared = 0
+        self.outs: list[list[weakref.ref[torch.Tensor]]] = [[] for _ in range(n)]
+        self.passed: list[Sized] = [[] for _ in range(n)]
+        # each block's tensor arguments (but the model's inputs, parameters and buffers), and
+        # those of them still alive when its window ends (the next block starts; the last
+        # block's: when it returns): the ones that then die when the forward returns are
+        # held into backward only by a checkpoint of the block (``held_to_end``)
+        self.inputs: list[Sized] = [[] for _ in range(n)]
+        self.alive: list[Sized] = [[] for _ in range(n)]
+        self.held_to_end = [0] * n
+        self.many: set[int] = set()  # storages of tensors passed to two or more blocks
+        self.handle = model.register_forward_hook(self.end)
+
+    # Read when the block after next starts (the model's loop variable has moved on by
+    # then; a hook of the next block itself still sees its arguments alive).
+    def before(self, i: int, args: Any, kwargs: Any) -> None:
+        got: list[torch.Tensor] = []
+        tensors_in((args, kwargs), got)
+        self._seen(got, i)
+        mine = [t for t in got if id(t) not in self.outside and not storage_key(t) & self.many]
+        self.inputs[i] = sizes([weakref.ref(t) for t in mine])
+        if i == 0:
+            return
+        self.alive[i - 1] = [(r, b) for r, b in self.inputs[i - 1] if r() is not None]
+        self.passed[i - 1] = sizes([r for r in self.outs[i - 1] if any(r() is t for t in got)])
+        if i >= 2:
+            self.freed[i - 2] = dead_bytes(self.passed[i - 2])
+
+    def _seen(self, got: list[torch.Tensor], i: int) -> None:
+        prev = {id(t) for r in self.outs[i - 1] if (t := r()) is not None} if i else set()
+        for t in got:
+            if id(t) in self.outside or id(t) in prev:
+                continue
+            ref, count = self.args.get(id(t), (None, 0))
+            if ref is None or ref() is not t:
+                ref, count = weakref.ref(t), 0
+                self.arg_sizes[id(t)] = sizes([ref])  # read while it is alive
+            self.args[id(t)] = (ref, count + 1)
+            if count + 1 == 2:  # shared: not one block's input (Profile.shared_bytes); from
+                self.many |= storage_key(t)  # here on ``many`` keeps it out as it is recorded
+                for j in range(i):
+                    self.inputs[j] = [(r, b) for r, b in self.inputs[j] if r() is not t]
+                    self.alive[j] = [(r, b) for r, b in self.alive[j] if r() is not t]
+
+    def after(self, i: int, args: Any, kwargs: Any, out: Any) -> None:
+        got: list[torch.Tensor] = []
+        tensors_in(out, got)
+        self.outs[i] = [weakref.ref(t) for t in got]
+        if i == self.last:
+            self.out_sizes = sizes(self.outs[i])
+            self.alive[i] = [(r, b) for r, b in self.inputs[i] if r() is not None]
+
+    def end(self, module: Any, args: Any, out: Any) -> None:
+        """The model's forward returned: what the last two blocks passed on, and the shared
+        arguments, are read now."""
+        last = self.last
+        if last >= 1:
+            self.freed[last - 1] = dead_bytes(self.passed[last - 1])
+        self.freed[last] = dead_bytes(self.out_sizes)
+        shared = [
+            s for key, (_, count) in self.args.items() if count >= 2 for s in self.arg_sizes[key]
+        ]
+        self.shared = dead_bytes(shared)
+        self.held_to_end = [dead_bytes(alive) for alive in self.alive]
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+class KeptOutputs:
+    """For each block, whether the output it passed to the next block is still alive when
+    the block after next starts (``kept``). Outputs the next block did not receive (a
+    cache the model collects) are not a span's to free; an output that a later block
+    returns again, or a view of it, is the later block's."""
+
+    def __init__(self, n: int) -> None:
+        self.outs: list[list[weakref.ref[torch.Tensor]]] = [[] for _ in range(n)]
+        self.passed: list[list[weakref.ref[torch.Tensor]]] = [[] for _ in range(n)]
+        self.kept = [False] * n
+
+    def before(self, i: int, args: Any, kwargs: Any) -> None:
+        got: list[torch.Tensor] = []
+        tensors_in((args, kwargs), got)
+        if i >= 1:  # what the block before handed to this one
+            self.passed[i - 1] = [r for r in self.outs[i - 1] if any(r() is t for t in got)]
+        j = i - 2
+        if j < 0:
+            return
+        alive = [t for r in self.passed[j] if (t := r()) is not None]
+        later = [t for r in self.outs[j + 1] if (t := r()) is not None] + got
+        self.kept[j] = any(not any(t is u or shares_storage(t, u) for u in later) for t in alive)
+
+    def after(self, i: int, args: Any, kwargs: Any, out: Any) -> None:
+        got: list[torch.Tensor] = []
+        tensors_in(out, got)
+        self.outs[i] = [weakref.ref(t) for t in got]
+
+
+def kept_outputs(
+    model: nn.Module, modules: Sequence[nn.Module], args: Any, kwargs: Any, state: StepState
+) -> list[bool]:
+    """:class:`KeptOutputs` of one forward without gradients, where nothing but the model's
+    own code keeps a tensor (see ``Profile.kept_outputs``). All ``False`` when that forward
+    fails."""
+    probe = KeptOutputs(len(modules))
+    try:
+        with BlockHooks(modules, probe):
+            state.reset_rng()
+            with torch.no_grad(), warnings.catch_warnings():
+                # a model that checkpoints inside with torch's reentrant variant warns that no
+                # input requires grad: true here, and not the user's concern
+                warnings.simplefilter("ignore")
+                out = model(*args, **kwargs)
+            del out
+    except Exception:  # a model that needs gradients in forward: no limit recorded
+        _log.debug("remat.profile: the forward without gradients failed", exc_info=True)
+        return [False] * len(modules)
+    return probe.kept
+
+
+class OffloadProbe:
+    """One forward of :func:`offload_inputs` under ``pattern`` (a decision per block): block
+    ``i``'s first argument's storage, and, when block ``i + 1`` starts, whether the input of
+    an offloaded block ``i`` is still alive."""
+
+    def __init__(self, pattern: Sequence[str], first: bool, found: OffloadFindings) -> None:
+        self.pattern, self.first, self.found = pattern, first, found
+        self.refs: list[weakref.ref[torch.UntypedStorage] | None] = [None] * len(pattern)
+
+    def before(self, i: int, args: Any, kwargs: Any) -> None:
+        f = self.found
+        ref = self.refs[i - 1] if i >= 1 else None
+        if ref is not None and self.pattern[i - 1] == Decision.OFFLOAD:
+            alive = ref() is not None
+            if self.first:
+                f.alone[i - 1] = not alive
+            elif alive:
+                f.by_before[i - 1] = True
+            if alive:
+                f.held[i - 1] = True
+        arg = args[0] if args else None
+        if isinstance(arg, torch.Tensor) and arg.requires_grad:
+            st = arg.untyped_storage()
+            self.refs[i] = weakref.ref(st)
+            f.size[i] = st.nbytes()
+        else:
+            f.held[i] = True  # no tensor argument a span could offload
+
+    def after(self, i: int, args: Any, kwargs: Any, out: Any) -> None:
+        pass
+
+
+class OffloadFindings:
+    """What the forwards of :func:`offload_inputs` found, per block."""
+
+    def __init__(self, n: int) -> None:
+        self.size = [0] * n
+        self.held = [n < 2] * (n - 1) + [True]  # a span needs a block after its first
+        self.alone = [False] * n  # freed once the block returns when every block is offloaded
+        self.by_before = [False] * n  # ... but held when the block before is kept or selective
+
+
+def offload_inputs(
+    model: nn.Module,
+    modules: Sequence[nn.Module],
+    args: Any,
+    kwargs: Any,
+    state: StepState,
+    before: Sequence[str],
+) -> tuple[list[int], list[int]]:
+    """For each block, the bytes of its first argument (the input a span starting there
+    offloads) when nothing but the block itself holds it on the device once the block has
+    returned, whatever decision of ``before`` the block before takes; 0 where something does
+    (that block's graph saves its output, the model's code keeps it) or for a last block.
+    Second, per block, the bytes of that argument when it dies as the block returns with
+    every block offloaded but lives on when the block before is kept or selective (its
+    ``tanh`` or ``relu`` saved it): the ``offload`` line then counts it freed, a pair effect.
+
+    Forwards with gradients, no backward: every block under ``offload`` (its saved tensors in
+    host memory, so it holds its input on the device only while it runs), then, for each
+    ``d`` in ``before``, every other block under ``d`` (the blocks after them are probed).
+    A block's input is held when its storage is still alive as the next block starts.
+    """
+    n = len(modules)
+    found = OffloadFindings(n)
+    offload = Decision.OFFLOAD
+    patterns = [[offload] * n] + [
+        [Decision(d) if i % 2 == parity else offload for i in range(n)]
+        for d in before
+        for parity in (0, 1)
+    ]
+    for k, pattern in enumerate(patterns):
+        for m, d in zip(modules, pattern):
+            apply_decision(m, d)
+        with BlockHooks(modules, OffloadProbe(pattern, k == 0, found)):
+            state.reset_rng()
+            fresh_region()
+            out = model(*args, **kwargs)
+            del out
+    free = [0 if h else b for h, b in zip(found.held, found.size)]
+    pair = [b if a and p else 0 for a, p, b in zip(found.alone, found.by_before, found.size)]
+    return free, pair

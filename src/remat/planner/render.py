@@ -1,0 +1,104 @@
+"""Text for people: the plan's table, the smallest reachable peak's error, byte sizes.
+
+Rendered last from typed values (:mod:`remat.planner.types`); nothing parses it back.
+"""
+
+from __future__ import annotations
+
+from .types import Phase, PlanData, StepPeak
+
+
+def fmt_bytes(n: int) -> str:
+    """Bytes with a binary prefix.
+
+    Example:
+        >>> fmt_bytes(512), fmt_bytes(3 * 2**20), fmt_bytes(-2048)
+        ('512 B', '3.00 MiB', '-2.00 KiB')
+    """
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def lever(phase: Phase | None, where: str) -> str:
+    """What lowers a peak that no checkpointing plan can move (``where``: the peak's place
+    in words)."""
+    if phase in (Phase.OPTIMIZER_FIRST, Phase.OPTIMIZER_LATER):
+        return (
+            "The peak is in optimizer.step(), which no checkpointing plan lowers: use an "
+            "optimizer with less state (SGD without momentum, a factored or 8-bit optimizer), "
+            "foreach=False (fewer temporaries), or shard the optimizer state (FSDP2 "
+            "fully_shard, ZeRO)."
+        )
+    return (
+        f"The peak is {where}, where no checkpointing plan reaches: make the inputs or the "
+        "layers before the first block smaller (batch, sequence length), or select them as "
+        "blocks too (check_fn=...)."
+    )
+
+
+def _cost(value: float, unit: str) -> str:
+    return f"{value * 1e3:.2f} ms" if unit == "s" else f"{value:.3g} FLOP"
+
+
+def plan_table(plan: PlanData) -> str:
+    """The plan as a table: each block's decision (and span), what it saves and adds, the
+    predicted peak against the unchecked one and the budget, and where the peak falls."""
+    w = max([len("module")] + [len(n) for n in plan.decisions])
+    dw = max([10] + [len(d) + 2 for d in plan.decisions.values()])
+    if plan.spans:
+        dw = max(dw, max(len(f"recompute in span {a}..{b}") + 2 for a, b in plan.spans))
+        if plan.offloaded_spans:
+            dw += len(" (input offloaded)")
+    lines = [f"{'module':<{w}}  {'decision':<{dw}}{'saves':>12}{'adds':>14}"]
+    in_span = {}
+    names = list(plan.decisions)
+    moved = {first for first, _ in plan.offloaded_spans}
+    for first, last in plan.spans:
+        for n in names[names.index(first) : names.index(last) + 1]:
+            in_span[n] = f"{first}..{last}" + (" (input offloaded)" if first in moved else "")
+    for name, decision in plan.decisions.items():
+        d = f"{decision} in span {in_span[name]}" if name in in_span else str(decision)
+        saves = fmt_bytes(plan.saved_bytes.get(name, 0))
+        adds = _cost(plan.added_cost.get(name, 0.0), plan.cost_unit)
+        lines.append(f"{name:<{w}}  {d:<{dw}}{saves:>12}{adds:>14}")
+    total = _cost(sum(plan.added_cost.values()), plan.cost_unit)
+    saved = fmt_bytes(sum(plan.saved_bytes.values()))
+    lines.append(f"{'total':<{w}}  {'':<{dw}}{saved:>12}{total:>14}")
+    scratch = (
+        f" + {fmt_bytes(plan.scratch_bytes)} scratch inside operators"
+        if plan.scratch_bytes
+        else ""
+    )
+    lines.append(
+        f"predicted step peak {fmt_bytes(plan.predicted_peak_bytes)}{scratch} vs unchecked "
+        f"{fmt_bytes(plan.unchecked_peak_bytes)} (budget {fmt_bytes(plan.budget_bytes)})"
+    )
+    if plan.breakdown:
+        parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in plan.breakdown.items())
+        lines.append(f"peak in {plan.peak_at}: {parts}")
+    if not plan.peak_movable:
+        lines.append(lever(plan.peak_phase, plan.peak_at))
+    return "\n".join(lines)
+
+
+def miss_message(budget: int, floor: StepPeak, unchecked: int, scratch: int = 0) -> str:
+    """``PlanError``'s text when no plan reaches ``budget``: the smallest reachable peak
+    (``floor``), where it falls, what it is made of, and what else would lower it."""
+    parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in floor.breakdown.items())
+    if scratch:
+        parts += f"; plus {fmt_bytes(scratch)} scratch inside operators"
+    low = floor.bytes + scratch
+    msg = (
+        f"remat.plan: no plan keeps the predicted step peak within {fmt_bytes(budget)} "
+        f"({budget} bytes); the smallest reachable peak is {fmt_bytes(low)} "
+        f"({low} bytes, unchecked {fmt_bytes(unchecked + scratch)}), in {floor.where} "
+        f"({parts}). "
+    )
+    if floor.movable:
+        return msg + (
+            "Raise the budget, use a smaller batch or sequence, or profile finer-grained "
+            "blocks (check_fn=...)."
+        )
+    return msg + lever(floor.at.phase, floor.where)

@@ -1,0 +1,575 @@
+"""The planner's vocabulary as types: decisions, spans, phases of a step, measured terms.
+
+Nothing here computes a term of the step model (that is :mod:`.stepmodel`'s) or renders
+text for people (:mod:`.render`'s); these are the values every other module of the
+planner passes around. :class:`Decision` is a ``str`` enum, so a decision reads, compares,
+hashes and serialises as its name (``Decision.KEEP == "keep"``).
+
+Example:
+    >>> from remat.planner.types import Decision, Phase, Span, Where
+    >>> Decision("selective"), Decision.KEEP == "keep"
+    ('selective', True)
+    >>> Span(0, 2, offloaded=True)
+    Span(first=0, last=2, offloaded=True)
+    >>> str(Where(Phase.BACKWARD, "layers.3")), Where(Phase.OPTIMIZER_FIRST).movable
+    ("backward of 'layers.3'", False)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from collections.abc import Iterator, Sequence
+
+from typing_extensions import Self
+
+from .._errors import PlanError
+
+__all__ = [
+    "DECISIONS",
+    "MAX",
+    "MIN",
+    "NEVER",
+    "SAME",
+    "SPAN_INNER",
+    "Measurements",
+    "PlanData",
+    "ProfileData",
+    "BlockCosts",
+    "Decision",
+    "Phase",
+    "Segment",
+    "Span",
+    "SpanKind",
+    "SpanLike",
+    "StepPeak",
+    "Timeline",
+    "Where",
+]
+
+#: How ranks agree over a field (:mod:`remat.planner.distributed`): every rank must hold the
+#: same value, or each number (of a dict, of a list) becomes its largest / smallest over the
+#: ranks (bytes of the rank with the most, times of the slowest; a span input is offloaded
+#: only where every rank found it free to move).
+SAME = {"agree": "same"}
+MAX = {"agree": "max"}
+MIN = {"agree": "min"}
+
+#: A term that never binds: the backward term of a block whose backward was never seen.
+NEVER = -(2**62)
+
+
+class Decision(str, enum.Enum):
+    """What a block does with its activations in a plan (:mod:`remat.planner.apply`)."""
+
+    KEEP = "keep"
+    """Plain: autograd keeps what it saves."""
+    RECOMPUTE = "recompute"
+    """Checkpointed: only the inputs kept, the rest recomputed in backward."""
+    SELECTIVE = "selective"
+    """Checkpointed with the matmul outputs saved (:func:`remat.policies.save_matmuls`)."""
+    OFFLOAD = "offload"
+    """Saved tensors kept in host memory until backward."""
+    SPLIT = "split"
+    """Checkpointed, each child with parameters checkpointed again inside it."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @property
+    def holds_inputs(self) -> bool:
+        """Whether the block's region keeps its inputs until its backward (a checkpoint)."""
+        return self in (Decision.RECOMPUTE, Decision.SELECTIVE, Decision.SPLIT)
+
+
+#: Every decision, in the order profiles measure them.
+DECISIONS: tuple[Decision, ...] = tuple(Decision)
+
+#: How the blocks of a span run inside it: ``keep`` is one checkpoint over the whole span
+#: (Chen et al.'s segments); ``recompute`` and ``split`` checkpoint each block inside it as
+#: well (nested); ``selective`` runs each block under the selective policy inside it (the
+#: policy's saved outputs are handed to the span, dropped in forward and brought back by
+#: its recompute).
+SPAN_INNER: tuple[Decision, ...] = (
+    Decision.KEEP,
+    Decision.RECOMPUTE,
+    Decision.SELECTIVE,
+    Decision.SPLIT,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """Blocks ``first..last`` (indices, inclusive) as one checkpointed region; ``offloaded``:
+    its input is kept in host memory until its own backward asks for it.
+
+    It unpacks to its bounds: ``first, last = span``.
+    """
+
+    first: int
+    last: int
+    offloaded: bool = False
+
+    def __iter__(self) -> Iterator[int]:
+        yield self.first
+        yield self.last
+
+    @classmethod
+    def of(cls, span: SpanLike) -> Span:
+        """A span from a :class:`Span`, ``(first, last)`` or ``(first, last, offloaded)``."""
+        if isinstance(span, Span):
+            return span
+        return cls(int(span[0]), int(span[1]), bool(span[2]) if len(span) > 2 else False)
+
+
+#: A span as the step model's functions take it: a :class:`Span`, or ``(first, last)``.
+SpanLike = Span | Sequence[int]
+
+
+class SpanKind(enum.IntEnum):
+    """A row of the chain's segment table: one block, a span, or a span whose input is
+    offloaded."""
+
+    BLOCK = 0
+    SPAN = 1
+    OFFLOADED = 2
+
+
+class Phase(enum.Enum):
+    """Where in a training step a term (or the peak) falls."""
+
+    BEFORE_BLOCKS = "before the first block"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    RECOMPUTE = "recompute"
+    AFTER_BLOCKS = "after the last block (head, loss and their backward)"
+    OPTIMIZER_FIRST = "optimizer.step() of the first step (optimizer state created)"
+    OPTIMIZER_LATER = "optimizer.step() of later steps"
+
+
+@dataclasses.dataclass(frozen=True)
+class Where:
+    """A phase of the step, and the block it belongs to (forward, backward, recompute)."""
+
+    phase: Phase
+    block: str = ""
+
+    def __str__(self) -> str:
+        if self.phase is Phase.FORWARD:
+            return f"forward of {self.block!r}"
+        if self.phase is Phase.BACKWARD:
+            return f"backward of {self.block!r}"
+        if self.phase is Phase.RECOMPUTE:
+            return f"recompute of {self.block!r} in the span's backward"
+        return self.phase.value
+
+    @property
+    def movable(self) -> bool:
+        """Whether a checkpointing plan can lower a peak here (not before the blocks, nor in
+        the optimizer step)."""
+        return self.phase not in (
+            Phase.BEFORE_BLOCKS,
+            Phase.OPTIMIZER_FIRST,
+            Phase.OPTIMIZER_LATER,
+        )
+
+
+@dataclasses.dataclass
+class BlockCosts:
+    """Measured terms of one candidate block, per decision (the step model's input).
+
+    The terms are defined in :mod:`remat.planner.stepmodel` (which derives them from the
+    measured :class:`Timeline` s): ``retained[d]`` what the block leaves alive for the rest
+    of the step, ``fwd_excess[d]`` / ``bwd_excess[d]`` the peaks of its forward / backward
+    window above their starts, ``cost[d]`` the time (or FLOPs) the decision adds, and, under
+    all-``keep``, ``fwd_start`` / ``bwd_start`` the bytes alive when its windows start.
+
+    ``bwd_grads`` is the bytes of gradients alive at the end of the block's backward
+    window under ``keep`` (for the peak's breakdown), ``noise`` the spread of the
+    timing samples of each decision's cost (for near-ties).
+
+    Where an autocast region ends between the last block's forward and its backward
+    (:mod:`remat.planner.amp`), ``retained`` is what the block keeps into backward,
+    ``exit_freed[d]`` what it also kept in forward until the region's end (autocast's
+    cached casts of its weights, and the block inputs the model keeps to forward's end
+    that the block under ``d`` does not keep on the device: ``held_to_end``), and the last
+    block's ``pre_exit[d]`` the peak of the head and the loss before the end. Both are empty
+    when neither happens.
+
+    ``offload_input`` is the bytes a span starting at this block frees on the device by
+    keeping its input in host memory, measured on a device where nothing else holds that
+    input once the block returns; 0 elsewhere (such a span is not offered).
+
+    ``held_to_end`` is the bytes of the block's inputs that the model's code keeps until
+    forward returns and the kept block does not save: a checkpoint starting at this block
+    holds them into backward.
+    """
+
+    name: str = dataclasses.field(metadata=SAME)
+    retained: dict[Decision, int] = dataclasses.field(metadata=MAX)
+    fwd_excess: dict[Decision, int] = dataclasses.field(metadata=MAX)
+    bwd_excess: dict[Decision, int] = dataclasses.field(metadata=MAX)
+    cost: dict[Decision, float] = dataclasses.field(metadata=MAX)
+    fwd_start: int = dataclasses.field(metadata=MAX)
+    bwd_start: int = dataclasses.field(metadata=MAX)
+    input_bytes: int = dataclasses.field(default=0, metadata=MAX)
+    param_bytes: int = dataclasses.field(default=0, metadata=MAX)
+    bwd_grads: int = dataclasses.field(default=0, metadata=MAX)
+    noise: dict[Decision, float] = dataclasses.field(default_factory=dict, metadata=MAX)
+    exit_freed: dict[Decision, int] = dataclasses.field(default_factory=dict, metadata=MAX)
+    pre_exit: dict[Decision, int] = dataclasses.field(default_factory=dict, metadata=MAX)
+    offload_input: int = dataclasses.field(default=0, metadata=MIN)
+    held_to_end: int = dataclasses.field(default=0, metadata=MAX)
+
+    def __post_init__(self) -> None:
+        for f in ("retained", "fwd_excess", "bwd_excess", "cost", "noise", "exit_freed",
+                  "pre_exit"):  # fmt: skip
+            d = getattr(self, f)
+            if any(not isinstance(k, Decision) for k in d):
+                setattr(self, f, {Decision(k): v for k, v in d.items()})
+
+    @property
+    def decisions(self) -> list[Decision]:
+        """The decisions this block was measured under (and may take)."""
+        return [d for d in self.retained if d in self.cost]
+
+
+@dataclasses.dataclass
+class Timeline:
+    """Bytes at the window boundaries of one measured step (every block under one decision).
+
+    Filled by :mod:`remat.planner.probes`; bytes are counted from the step's start.
+    ``bwd_start[i]`` is ``None`` when block ``i``'s backward was never seen (its outputs
+    need no gradient).
+    """
+
+    pre_peak: int = 0
+    fwd_start: list[int] = dataclasses.field(default_factory=list)
+    fwd_peak: list[int] = dataclasses.field(default_factory=list)
+    top_start: int = 0
+    top_peak: int = 0
+    top_grads: int = 0
+    bwd_start: list[int | None] = dataclasses.field(default_factory=list)
+    bwd_peak: list[int] = dataclasses.field(default_factory=list)
+    bwd_grads: list[int] = dataclasses.field(default_factory=list)
+    end_bytes: int = 0
+    end_grads: int = 0
+    input_bytes: list[int] = dataclasses.field(default_factory=list)
+    #: Where the caller's (or the model's) autocast region ended between the last block's
+    #: forward and its backward (:mod:`remat.planner.amp`): the peak of the ``top`` window
+    #: before the end (``None``: no region ended there; ``top_peak`` is then the whole
+    #: window's, else the part after the end), and per block the bytes allocated in its
+    #: forward window that the end freed (autocast's cached casts of its weights).
+    top_pre_peak: int | None = None
+    exit_freed: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """A run of the chain with its own decisions: one block, or a span of blocks.
+
+    Every activation term of a segment is ``term - s`` where ``s`` is what the segments
+    before it saved, so a segment is summed up by ``peak`` (its largest ``term``), where
+    that is, ``saved`` (what it saves for the segments after it) and ``cost``.
+    """
+
+    first: int
+    last: int
+    decision: Decision
+    kind: SpanKind
+    peak: int
+    where: Where
+    saved: int
+    cost: float
+
+    @property
+    def span(self) -> bool:
+        """Whether the segment is a span (of two or more blocks)."""
+        return self.kind is not SpanKind.BLOCK
+
+
+@dataclasses.dataclass
+class StepPeak:
+    """The predicted peak of a training step, where it falls and what it is made of.
+
+    Attributes:
+        bytes: the peak (absolute: static bytes included).
+        at: the phase (and block) where it falls.
+        breakdown: ``static`` (parameters, buffers, inputs), ``gradients``,
+            ``optimizer`` (state) and ``activations`` (the rest: saved tensors,
+            outputs, temporaries) at the peak; they add up to ``bytes``.
+    """
+
+    bytes: int
+    at: Where
+    breakdown: dict[str, int]
+
+    @property
+    def where(self) -> str:
+        """The phase in words (``"backward of 'layers.3'"``)."""
+        return str(self.at)
+
+    @property
+    def movable(self) -> bool:
+        """Whether a plan can lower it (not in the optimizer step nor before the blocks)."""
+        return self.at.movable
+
+
+@dataclasses.dataclass
+class Measurements:
+    """What :func:`remat.profile` measures, before the step model reads terms from it
+    (:func:`remat.planner.stepmodel.derive_blocks`).
+
+    Attributes:
+        names: the candidate blocks, in call order.
+        decisions: the decisions measured.
+        lines: per decision, the timeline of a step with every block under it.
+        costs / noise: per decision and block, the median time (or FLOPs) of the block's
+            forward and backward, and half the range of its samples.
+        param_bytes: per block, its parameters' and buffers' bytes.
+        signatures: per block, what makes two blocks the same layer (equal costs).
+        freed: per block, the bytes of its output that the next block (kept) frees as it
+            runs, and for the last block what the head frees.
+        held_to_end: per decision of :data:`~remat.planner.stepmodel.HELD_LINES`, per
+            block, its inputs alive when its window ends that die when forward returns.
+        offload_inputs: per block, the bytes of its input nothing else holds once it
+            returns, whatever the block before does (0: not offered).
+        held_before: per block, the bytes of its input that the ``offload`` line freed but
+            a kept or selective block before holds.
+        mutating: blocks that change one of their input tensors in place.
+        splittable: blocks with two or more children with parameters.
+    """
+
+    names: list[str]
+    decisions: list[Decision]
+    lines: dict[Decision, Timeline]
+    costs: dict[Decision, dict[str, float]]
+    noise: dict[Decision, dict[str, float]]
+    param_bytes: list[int]
+    signatures: list[object]
+    freed: list[int]
+    held_to_end: dict[Decision, list[int]]
+    offload_inputs: list[int]
+    held_before: list[int]
+    mutating: set[str]
+    splittable: set[str]
+
+
+@dataclasses.dataclass
+class ProfileData:
+    """The measured terms of a model's training step: what :func:`remat.plan` reads.
+
+    Bytes are on the model's device (everything on CPU), as :mod:`remat.memory` counts them.
+    :class:`remat.Profile` adds the step model's answers (the peak of a plan, the floor).
+
+    Attributes:
+        blocks: one :class:`BlockCosts` per candidate block, in call order.
+        top: peak bytes (from the step's start) between the last block's forward and
+            its backward (all ``keep``).
+        pre: peak bytes before the first block's forward.
+        decisions: the decisions that were measured.
+        cost_unit: ``"s"`` or ``"flop"``.
+        input_shapes: shapes of the tensor inputs the profile is valid for.
+        device: where it was measured.
+        torch_version: the torch it was measured with.
+        step_cost: cost of one whole step with every block kept, in ``cost_unit``
+            (so that ``1 + plan.predicted_overhead_s / step_cost`` is a predicted time ratio).
+        static_bytes: parameters, buffers and inputs.
+        grad_bytes: the gradients of one step.
+        grads_kept: ``True`` when the step starts with its gradients allocated
+            (``zero_grad(set_to_none=False)``, gradient accumulation).
+        optimizer: the optimizer's class name, or ``None`` (no optimizer step modelled).
+        optimizer_state_bytes: the optimizer's state after its first step.
+        optimizer_first_bytes / optimizer_later_bytes: peak bytes allocated inside
+            the first / a later ``optimizer.step()`` (state creation included).
+        end_bytes / end_grads: bytes alive when backward returns (from the step's
+            start), and how many of them are gradients.
+        top_grads: gradient bytes alive at the end of the ``top`` window.
+        chained: for each block but the last, whether the next block received a tensor
+            this one returned (no code of the model between them): the blocks a span
+            may join. Empty (not recorded): no spans.
+        scratch_bytes: the most memory one operator of the step's forward and backward
+            allocates and frees before it returns, which the allocator counts and
+            :mod:`remat.memory` cannot (:mod:`remat.planner.scratch`); plans keep the
+            predicted peak plus this within the budget.
+        kept_outputs: for each block, whether the model's own code still referenced its
+            output when the block after next started (a skip connection, a list of hidden
+            states): a span may not hold it and the two blocks after it together (it would
+            refuse the model at run time). Seen in one forward without gradients, where
+            only the model's code keeps tensors. Empty: not recorded (no such limit).
+        shared_bytes: tensors the model's forward makes and passes to several blocks (an
+            attention mask, rotary tables) that die when the forward returns with every
+            block kept; a checkpointed block keeps them until its backward
+            (:func:`~remat.planner.stepmodel.checkpointed_view`).
+    """
+
+    blocks: list[BlockCosts]
+    top: int = dataclasses.field(metadata=MAX)
+    decisions: list[Decision] = dataclasses.field(metadata=SAME)
+    cost_unit: str = dataclasses.field(metadata=SAME)
+    input_shapes: list[list[int]] = dataclasses.field(metadata=SAME)
+    device: str = ""
+    torch_version: str = ""
+    step_cost: float = dataclasses.field(default=0.0, metadata=MAX)
+    pre: int = dataclasses.field(default=0, metadata=MAX)
+    static_bytes: int = dataclasses.field(default=0, metadata=MAX)
+    grad_bytes: int = dataclasses.field(default=0, metadata=MAX)
+    grads_kept: bool = dataclasses.field(default=False, metadata=SAME)
+    optimizer: str | None = dataclasses.field(default=None, metadata=SAME)
+    optimizer_state_bytes: int = dataclasses.field(default=0, metadata=MAX)
+    optimizer_first_bytes: int = dataclasses.field(default=0, metadata=MAX)
+    optimizer_later_bytes: int = dataclasses.field(default=0, metadata=MAX)
+    end_bytes: int = dataclasses.field(default=0, metadata=MAX)
+    end_grads: int = dataclasses.field(default=0, metadata=MAX)
+    top_grads: int = dataclasses.field(default=0, metadata=MAX)
+    chained: list[bool] = dataclasses.field(default_factory=list, metadata=SAME)
+    scratch_bytes: int = dataclasses.field(default=0, metadata=MAX)
+    kept_outputs: list[bool] = dataclasses.field(default_factory=list, metadata=SAME)
+    shared_bytes: int = dataclasses.field(default=0, metadata=MAX)
+
+    def __post_init__(self) -> None:
+        self.decisions = [Decision(d) for d in self.decisions]
+        self.blocks = [b if isinstance(b, BlockCosts) else BlockCosts(**b) for b in self.blocks]
+
+    @property
+    def static_step_bytes(self) -> int:
+        """Bytes a later step starts with: static, kept gradients, optimizer state."""
+        kept = self.grad_bytes if self.grads_kept else 0
+        return self.static_bytes + kept + self.optimizer_state_bytes
+
+    @property
+    def spans_may_join(self) -> list[bool]:
+        """``chained`` for every pair of neighbours (all ``False`` when not recorded)."""
+        n = max(len(self.blocks) - 1, 0)
+        return list(self.chained) if len(self.chained) == n else [False] * n
+
+    @property
+    def outputs_kept(self) -> list[bool] | None:
+        """``kept_outputs`` when recorded for every block, else ``None`` (no limit)."""
+        ok = len(self.kept_outputs) == len(self.blocks)
+        return list(self.kept_outputs) if ok and self.blocks else None
+
+    def to_json(self) -> str:
+        """Plain JSON."""
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> Self:
+        """Read a profile written by :meth:`to_json`."""
+        return cls(**json.loads(text))
+
+    def save(self, path: str) -> None:
+        """Write the profile to ``path`` as JSON."""
+        with open(path, "w") as fh:
+            fh.write(self.to_json())
+
+    @classmethod
+    def load(cls, path: str) -> Self:
+        """Read a profile saved with :meth:`save`."""
+        with open(path) as fh:
+            return cls.from_json(fh.read())
+
+
+@dataclasses.dataclass
+class PlanData:
+    """One decision per candidate block, with what the step model predicts for it.
+
+    Bytes are absolute: the peak of one training step of the default loop
+    (parameters, buffers, inputs, gradients, optimizer state and activations).
+    ``predicted_peak_bytes`` counts tensor storages, as :mod:`remat.memory` measures
+    them; the allocator (``torch.cuda.max_memory_allocated()``) also counts the
+    scratch memory operators free before they return, at most ``scratch_bytes`` more.
+    A plan keeps ``predicted_peak_bytes + scratch_bytes`` within ``budget_bytes``.
+    :class:`remat.Plan` adds the table (``str(plan)``) and :meth:`~remat.Plan.apply`.
+
+    Attributes:
+        decisions: block name -> ``keep`` / ``recompute`` / ``selective`` / ``offload`` /
+            ``split`` (:class:`Decision`).
+        predicted_peak_bytes: predicted peak of a step under this plan (first and
+            later steps).
+        predicted_overhead_s: predicted added time per step (FLOPs when the
+            profile was made with ``timer="flops"``; see ``cost_unit``).
+        unchecked_peak_bytes: predicted peak with every block kept.
+        budget_bytes: the budget the plan was made for.
+        saved_bytes: block name -> bytes the decision saves at the peak.
+        added_cost: block name -> time (or FLOPs) the decision adds.
+        cost_unit: ``"s"`` or ``"flop"``.
+        static_bytes: parameters, buffers and inputs.
+        peak_at: where the predicted peak falls, in words (``"backward of 'layers.0'"``,
+            ``"optimizer.step() of the first step (optimizer state created)"``, ...).
+        breakdown: the peak split into ``static``, ``gradients``, ``optimizer``
+            and ``activations``.
+        peak_movable: ``False`` when no plan can lower the peak (it is in the
+            optimizer step or before the first block).
+        spans: ``[first, last]`` block names of each region that spans consecutive
+            blocks: one checkpointed region whose blocks run inside it as their
+            decision says (``keep``: plain, one checkpoint over the span as in Chen et
+            al.'s segments; ``recompute`` or ``split``: checkpointed inside it too;
+            ``selective``: the policy's saved outputs handed to the span).
+        scratch_bytes: the largest scratch one operator allocates inside
+            (``Profile.scratch_bytes``), added to the predicted peak for the budget.
+        offloaded_spans: the spans (of ``spans``) whose input is kept in host memory
+            until their own backward asks for it (on a device:
+            ``apply_span(offload_inputs=True, prefetch=False)``).
+        peak_phase: the phase of the step where the peak falls (``peak_at`` in words).
+    """
+
+    decisions: dict[str, Decision]
+    predicted_peak_bytes: int
+    predicted_overhead_s: float
+    unchecked_peak_bytes: int
+    budget_bytes: int
+    saved_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    added_cost: dict[str, float] = dataclasses.field(default_factory=dict)
+    cost_unit: str = "s"
+    static_bytes: int = 0
+    peak_at: str = ""
+    breakdown: dict[str, int] = dataclasses.field(default_factory=dict)
+    peak_movable: bool = True
+    spans: list[list[str]] = dataclasses.field(default_factory=list)
+    scratch_bytes: int = 0
+    offloaded_spans: list[list[str]] = dataclasses.field(default_factory=list)
+    peak_phase: Phase | None = None
+
+    def __post_init__(self) -> None:
+        bad = sorted(str(d) for d in self.decisions.values() if d not in _NAMES)
+        if bad:
+            raise PlanError(
+                f"Plan: unknown decisions {bad}; expected {[d.value for d in Decision]}."
+            )
+        self.decisions = {n: Decision(d) for n, d in self.decisions.items()}
+        if isinstance(self.peak_phase, str):
+            self.peak_phase = Phase[self.peak_phase]
+
+    def to_json(self) -> str:
+        """Plain JSON (no pickle)."""
+        data = dataclasses.asdict(self)
+        data["peak_phase"] = None if self.peak_phase is None else self.peak_phase.name
+        return json.dumps(data, indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> Self:
+        """Read a plan written by :meth:`to_json`.
+
+        Raises:
+            PlanError: the JSON has fields or decisions this version does not know.
+        """
+        data = json.loads(text)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise PlanError(
+                f"Plan.from_json: unknown fields {unknown}; the JSON was not written by "
+                "Plan.to_json of this remat version."
+            )
+        return cls(**data)
+
+
+_NAMES = {d.value for d in Decision}
