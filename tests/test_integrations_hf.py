@@ -241,3 +241,17 @@ def test_missing_framework_names_the_extra_to_install(module, package, extra):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert f"pip install 'remat[{extra}]'" in done.stdout
+
+
+def test_a_cache_passed_in_training_is_not_appended_to_by_the_layers(caplog):
+    plain = llama()
+    model = copy.deepcopy(plain)
+    hf.checkpoint_layers(model)
+    cache = transformers.DynamicCache(config=model.config)
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        loss, grads = grads_of(model, {**batch(), "cache": cache})
+    assert cache.get_seq_length() == 0  # the layers ran without it: nothing appended twice
+    want_loss, want = grads_of(plain, batch())
+    assert torch.equal(loss, want_loss)
+    assert all(torch.equal(grads[k], want[k]) for k in want)
+    assert any("dropped cache" in r.getMessage() for r in caplog.records)

@@ -66,10 +66,12 @@ def layer_names(
 
 
 def _arg_index(module: nn.Module, name: str) -> int | None:
-    """Position of parameter ``name`` in ``module.forward`` (``None``: no such parameter,
-    or keyword-only); -1 when it can only come as a keyword."""
+    """Position of parameter ``name`` among the positional arguments of the class's
+    ``forward`` (not an instance's replacement: a checkpoint wrapper, accelerate's autocast
+    wrapper); -1 when it can only come as a keyword; ``None`` when there is no such
+    parameter."""
     try:
-        params = list(inspect.signature(module.forward).parameters.values())
+        params = list(inspect.signature(type(module).forward).parameters.values())[1:]  # self
     except (TypeError, ValueError):
         return None
     for i, p in enumerate(params):
