@@ -217,6 +217,50 @@ class MemoryTracker:
                     self._watched_keys.add(st._cdata)
                     self._watched.append([st, st.nbytes(), device])
 
+    def include(self, tensors: Iterable[Any]) -> int:
+        """Count the storages of ``tensors`` that exist already as alive from now on.
+
+        For a peak in absolute bytes: the tensors a step starts with (parameters,
+        gradients, optimizer state, inputs) are counted as if allocated now, and
+        subtracted when they die, like every storage the tracker counts (a gradient
+        set to ``None`` inside the context lowers the bytes alive). A storage the
+        tracker counts already (allocated inside, or included before), one on another
+        device than the tracker's, and a watched one are skipped; non-tensors are
+        ignored.
+
+        Returns:
+            The bytes added.
+
+        Example:
+            >>> import torch, remat
+            >>> w = torch.zeros(100)                     # 400 bytes, before the context
+            >>> with remat.memory.track() as t:
+            ...     t.include([w, w[:10], 3])            # a view of w counts once
+            ...     x = torch.ones(25)                   # 100 bytes
+            ...     del w                                # w dies: subtracted
+            400
+            >>> t.peak_bytes, t.current_bytes
+            (500, 100)
+        """
+        added = 0
+        for obj in tensors:
+            if not isinstance(obj, torch.Tensor):
+                continue
+            for t in (obj,) if type(obj) in _PLAIN and obj.layout is torch.strided else _leaves(obj):
+                if t.device.type == "meta":
+                    continue
+                device = _device_key(t.device)
+                if self.device is not None and device != self.device:
+                    continue
+                st = t.untyped_storage()
+                key = st._cdata
+                with self._lock:
+                    known = self._knows(key) is not None or key in self._watched_keys
+                if not known:
+                    self._add(st, key, device)
+                    added += st.nbytes()
+        return added
+
     def freed_by(self, fn: Callable[[], Any]) -> list[tuple[int, int]]:
         """Call ``fn()``; return ``(seq, nbytes)`` of each counted storage that died during
         the call, ``seq`` being the number of storages counted before it was (compare with

@@ -1,0 +1,81 @@
+"""What both training callbacks do: plan once on the first batch, then measure every step."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .actual import PeakCheck, PeakMeter
+
+log = logging.getLogger("remat")
+
+
+def check_budget(budget: Any, where: str) -> None:
+    """Raise a clear ``TypeError`` for a budget of the wrong type (its value is checked
+    by the planner, on the first batch)."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
+        raise TypeError(
+            f'{where}: budget must be bytes (2**30), a size ("18GiB") or a share ("60%"), '
+            f"got {budget!r}."
+        )
+
+
+def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The ``torch.optim.Optimizer`` a trainer steps, out of its wrappers (accelerate's
+    ``AcceleratedOptimizer`` holds it as ``.optimizer``; it skips ``step()`` between
+    accumulated micro-batches, which the planner's steps must not)."""
+    seen = 0
+    while (
+        optimizer is not None
+        and isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer)
+        and seen < 8
+    ):
+        optimizer = optimizer.optimizer
+        seen += 1
+    return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+
+
+class PlannedTraining:
+    """The plan made on the first batch and the meter of every step, for one callback.
+
+    Attributes:
+        plan: the applied plan (``None`` before the first training batch).
+        meter: the :class:`PeakMeter` of the steps (its ``checks``).
+    """
+
+    def __init__(
+        self,
+        budget: int | float | str,
+        *,
+        loss_fn: Callable[[Any], torch.Tensor] | None,
+        check_fn: Callable[[str, nn.Module], bool] | None,
+        timer: str,
+        measure: bool,
+        where: str,
+    ) -> None:
+        check_budget(budget, where)
+        self.budget = budget
+        self.loss_fn = loss_fn
+        self.check_fn = check_fn
+        self.timer = timer
+        self.measure = measure
+        self.where = where
+        self.plan: Any = None
+        self.meter = PeakMeter()
+        self._logged = 0
+
+    def planned(self, plan: Any) -> None:
+        """Record the applied plan (the meter compares with it) and log it."""
+        self.plan = plan
+        self.meter.plan = plan
+        log.info("%s: planned on the first training batch:\n%s", self.where, plan)
+
+    def unlogged(self) -> PeakCheck | None:
+        """The check with the largest peak among those since the last call (``None``: none)."""
+        new = self.meter.checks[self._logged :]
+        self._logged = len(self.meter.checks)
+        return max(new, key=lambda c: c.peak_bytes) if new else None
