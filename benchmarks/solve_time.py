@@ -25,8 +25,8 @@ import time
 
 import torch
 
-from remat.planner.stepmodel import BlockCosts, predicted_cost, predicted_peak
 from remat.planner.solve import smallest_chain, solve
+from remat.planner.stepmodel import BlockCosts, predicted_cost, predicted_peak
 
 DECS = ("keep", "recompute", "selective", "split")
 

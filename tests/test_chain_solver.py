@@ -16,6 +16,7 @@ from remat.planner.chain import (
     simplest,
     simplicity,
 )
+from remat.planner.solve import smallest_chain, solve, solve_chain
 from remat.planner.stepmodel import (
     SPAN_INNER,
     BlockCosts,
@@ -24,7 +25,6 @@ from remat.planner.stepmodel import (
     predicted_peak,
     span_segment,
 )
-from remat.planner.solve import smallest_chain, solve, solve_chain
 
 DECS = ("keep", "recompute", "selective", "split")
 

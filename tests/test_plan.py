@@ -15,8 +15,8 @@ import torch
 import remat
 from remat.bench.models import ModelConfig, build, example_input
 from remat.planner.apply import apply_decision
-from remat.planner.stepmodel import predicted_cost
 from remat.planner.perblock import brute_force, solve_dp, solve_milp
+from remat.planner.stepmodel import predicted_cost
 
 CFG = ModelConfig(layers=4, d_model=64, seq=32, batch=2, heads=2, vocab=128)
 DECS = ("keep", "recompute", "selective")

@@ -8,9 +8,9 @@ import random
 import pytest
 
 from remat import PlanError
-from remat.planner.stepmodel import BlockCosts, parse_budget, predicted_cost, predicted_peak
 from remat.planner.perblock import brute_force, solve_dp, solve_milp
 from remat.planner.solve import Plan, smallest_chain, smallest_peak, solve
+from remat.planner.stepmodel import BlockCosts, parse_budget, predicted_cost, predicted_peak
 from remat.planner.types import Phase
 
 DECS = ("keep", "recompute", "selective")

@@ -27,9 +27,9 @@ from remat.bench.models import ModelConfig, build, example_input
 from remat.planner import auto
 from remat.planner.apply import apply_decision
 from remat.planner.auto import step_peaks
-from remat.planner.stepmodel import SPAN_INNER, parse_budget, predicted_cost, predicted_peak
 from remat.planner.perblock import solve_dp
 from remat.planner.solve import smallest_chain, solve_chain
+from remat.planner.stepmodel import SPAN_INNER, parse_budget, predicted_cost, predicted_peak
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from spanmodels import plan_of  # noqa: E402
