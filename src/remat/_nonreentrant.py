@@ -186,12 +186,17 @@ class _Frame:
         return h
 
     def unpack(self, h: _Holder) -> torch.Tensor:
+        gid: Any = _graph_task_id()
+        if gid in self.done:
+            # This backward has recomputed the region already, outside any GraphExecGroup
+            # (inside one, ``done`` holds the group): no group lookup for each tensor.
+            x = h.recomputed.pop(gid, None)
+            if x is not None:
+                return x
         group = _config.current_graph_exec_group()
-        gid: Any
         if group is not None:  # one recompute for every backward inside the group
             gid, outside = group, False
         else:
-            gid = _graph_task_id()
             outside = gid == -1
             if outside:  # a saved tensor read outside backward: recompute just for it
                 gid = next(_outside_backward_ids)
