@@ -185,6 +185,40 @@ def test_a_fake_tensor_holds_no_bytes():
     assert storage_bytes([f]) == 0
 
 
+class Sub(torch.Tensor):
+    """A plain subclass: its own storage, like a torch.Tensor."""
+
+
+def test_a_plain_subclass_is_its_storage():
+    x = torch.zeros(6)
+    assert storage_bytes([x.as_subclass(Sub)]) == 24 and shares_storage(x.as_subclass(Sub), x)
+
+
+@pytest.mark.parametrize("wrap", [lambda x: x, lambda x: x.as_subclass(Sub)], ids=["plain", "sub"])
+def test_a_batched_tensor_inside_vmap_holds_no_bytes_of_its_own(wrap):
+    # functorch's batched tensors have no storage to read
+    seen = []
+
+    def f(x):
+        x = wrap(x)
+        seen.append((storages(x), storage_bytes([x]), shares_storage(x, x)))
+        return x.sin()
+
+    torch.func.vmap(f)(torch.zeros(2, 3))
+    assert seen == [([], 0, False)]
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs MKL-DNN")
+def test_an_opaque_mkldnn_tensor_has_no_storage_but_copies_its_elements():
+    t = torch.zeros(3, 3).to_mkldnn()
+    assert storage_bytes([t]) == 0 and storages(t) == []
+    assert element_bytes(t) == 9 * 4
+
+
+def test_a_meta_subclass_holds_no_bytes():
+    assert storage_bytes([torch.zeros(4, device="meta").as_subclass(Sub)]) == 0
+
+
 def test_storage_bytes_counts_only_the_device_asked_for_and_skips_non_tensors():
     x = torch.zeros(8)
     assert storage_bytes([x, None, 3], torch.device("cpu")) == 32

@@ -15,7 +15,8 @@ planner and offload read them from here.
   ``__tensor_flatten__`` hides its inner tensors (the memory tracker does not
   see the operators its ``__torch_dispatch__`` runs): it is counted by its
   placeholder storage, the bytes of its own shape and dtype.
-* An opaque layout (MKL-DNN's) and a meta or fake tensor (its storage is on
+* An opaque layout (MKL-DNN's), a tensor with no storage (functorch's batched
+  tensors inside ``vmap``) and a meta or fake tensor (its storage is on
   ``meta``) hold no bytes.
 
 A storage is identified by its key, the address of its C++ ``StorageImpl``
@@ -68,12 +69,19 @@ def leaves(t: torch.Tensor) -> list[torch.Tensor]:
         return [x for p in got for x in leaves(p)]
     if t.layout is not _STRIDED or t.is_meta:  # an opaque layout: no storage to read
         return []
-    try:
-        if t.untyped_storage().device.type == "meta":  # a fake tensor
-            return []
-    except (RuntimeError, NotImplementedError):
+    st = _storage(t)
+    if st is None or st.device.type == "meta":  # a fake tensor's storage is on meta
         return []
     return [t]
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    """``t``'s untyped storage, or ``None`` for a tensor that has none (functorch's batched
+    tensors inside ``vmap``)."""
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def storages(t: torch.Tensor) -> list[tuple[int, int, torch.device]]:
@@ -87,8 +95,9 @@ def storages(t: torch.Tensor) -> list[tuple[int, int, torch.device]]:
     """
     out = []
     for leaf in leaves(t):
-        st = leaf.untyped_storage()
-        out.append((st._cdata, st.nbytes(), leaf.device))
+        st = _storage(leaf)
+        if st is not None:
+            out.append((st._cdata, st.nbytes(), leaf.device))
     return out
 
 
@@ -110,8 +119,9 @@ def storage_bytes(tensors: Iterable[object], device: torch.device | None = None)
         for leaf in leaves(t):
             if device is not None and leaf.device != device:
                 continue
-            st = leaf.untyped_storage()
-            seen[st._cdata] = st.nbytes()
+            st = _storage(leaf)
+            if st is not None:
+                seen[st._cdata] = st.nbytes()
     return sum(seen.values())
 
 
