@@ -158,12 +158,12 @@ def checkpoint(
             f"remat.checkpoint: determinism_check should be one of {list(_CHECKS)}, but got "
             f"{determinism_check!r}."
         )
-    if not torch.is_grad_enabled() or _config._disabled.get():
+    if not torch.is_grad_enabled() or _config.checkpointing_disabled():
         return function(*args, **kwargs)
     if use_reentrant:
         return run_reentrant(function, args, preserve_rng_state=preserve_rng_state)
-    dbg = _config._debug.get()
-    stop = _config._early_stop.get()
+    dbg = _config.debug_override()
+    stop = _config.early_stop_override()
     return run_nonreentrant(
         function,
         args,

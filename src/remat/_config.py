@@ -3,6 +3,14 @@
 Nothing here is process-global: every setting is a ``ContextVar`` that a
 context manager sets and restores on exit (exceptions included), so two
 threads or asyncio tasks that checkpoint at once never see each other's flags.
+
+The ``ContextVar`` objects are this module's alone. The rest of the package
+reads the user's overrides through :func:`early_stop_override`,
+:func:`debug_override` and :func:`checkpointing_disabled`, and marks the code
+that runs inside a region with :func:`entering_region` (a checkpointed
+forward) or :func:`recomputing_region` (a recompute), which raise the depth
+counters behind :func:`is_checkpointing` and :func:`is_recomputing` and
+restore them on every exit path.
 """
 
 from __future__ import annotations
@@ -132,6 +140,76 @@ def is_recomputing() -> bool:
         1
     """
     return _recomputing.get() > 0
+
+
+def early_stop_override() -> bool | None:
+    """The ``early_stop`` set by :func:`set_checkpoint_early_stop` around the caller, or
+    ``None`` (each call's own argument decides)."""
+    return _early_stop.get()
+
+
+def debug_override() -> bool | None:
+    """The ``debug`` set by :func:`set_checkpoint_debug_enabled` around the caller, or
+    ``None`` (each call's own argument decides)."""
+    return _debug.get()
+
+
+def checkpointing_disabled() -> bool:
+    """True inside :func:`disable_checkpointing`: checkpoints run as plain calls."""
+    return _disabled.get()
+
+
+class RegionDepth:
+    """Inside, :func:`is_checkpointing` (and, for a recompute, :func:`is_recomputing`)
+    says so; the depths are put back on exit, exceptions included.
+
+    One instance serves one ``with`` (it keeps the tokens to restore). A class, not a
+    generator: every checkpoint call enters one or two.
+    """
+
+    __slots__ = ("recompute", "tokens")
+
+    def __init__(self, recompute: bool) -> None:
+        self.recompute = recompute
+        self.tokens: tuple[Token[int], Token[int] | None] | None = None
+
+    def __enter__(self) -> None:
+        c = _checkpointing.set(_checkpointing.get() + 1)
+        r = _recomputing.set(_recomputing.get() + 1) if self.recompute else None
+        self.tokens = (c, r)
+
+    def __exit__(self, *exc: object) -> None:
+        tokens = self.tokens
+        if tokens is not None:
+            self.tokens = None
+            c, r = tokens
+            if r is not None:
+                _recomputing.reset(r)
+            _checkpointing.reset(c)
+
+
+def entering_region() -> RegionDepth:
+    """Context manager for a checkpointed region's forward (depths nest).
+
+    Example:
+        >>> with entering_region():
+        ...     is_checkpointing(), is_recomputing()
+        (True, False)
+        >>> is_checkpointing()
+        False
+    """
+    return RegionDepth(False)
+
+
+def recomputing_region() -> RegionDepth:
+    """Context manager for a region's recompute: checkpointing and recomputing both.
+
+    Example:
+        >>> with recomputing_region():
+        ...     is_checkpointing(), is_recomputing()
+        (True, True)
+    """
+    return RegionDepth(True)
 
 
 class _GraphExecGroupFallback:

@@ -186,12 +186,17 @@ class _Frame:
         return h
 
     def unpack(self, h: _Holder) -> torch.Tensor:
+        gid: Any = _graph_task_id()
+        if gid in self.done:
+            # This backward has recomputed the region already, outside any GraphExecGroup
+            # (inside one, ``done`` holds the group): no group lookup for each tensor.
+            x = h.recomputed.pop(gid, None)
+            if x is not None:
+                return x
         group = _config.current_graph_exec_group()
-        gid: Any
         if group is not None:  # one recompute for every backward inside the group
             gid, outside = group, False
         else:
-            gid = _graph_task_id()
             outside = gid == -1
             if outside:  # a saved tensor read outside backward: recompute just for it
                 gid = next(_outside_backward_ids)
@@ -258,11 +263,8 @@ class _Frame:
         state = self.state  # None: the function replays the state itself (PiecewiseRegion)
         token = state.enter() if state is not None else None
         ctx = self.recompute_ctx
-        c_tok = _config._checkpointing.set(_config._checkpointing.get() + 1)
-        r_tok = _config._recomputing.set(_config._recomputing.get() + 1)
-        _push_hooks(rec.pack, _identity)
         try:
-            with torch.enable_grad():
+            with _UnderHooks(rec.pack, _identity, recompute=True), torch.enable_grad():
                 if self.debug:
                     from ._debug import OpLog
 
@@ -279,9 +281,6 @@ class _Frame:
             self.drop(gid)  # nothing half-recomputed stays behind a failed recompute
             raise
         finally:
-            _pop_hooks()
-            _config._recomputing.reset(r_tok)
-            _config._checkpointing.reset(c_tok)
             if state is not None and token is not None:
                 state.exit(token)
         try:
@@ -326,6 +325,33 @@ def _unique(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]
 
 def _identity(x: Any) -> Any:
     return x
+
+
+class _UnderHooks:
+    """Inside: a region's depth raised (:mod:`remat._config`) and its saved-tensor hooks
+    pushed; both undone on exit, exceptions included (a push refused by autograd too)."""
+
+    __slots__ = ("pack", "unpack", "depth")
+
+    def __init__(
+        self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any], recompute: bool = False
+    ) -> None:
+        self.pack = pack
+        self.unpack = unpack
+        self.depth = _config.RegionDepth(recompute)
+
+    def __enter__(self) -> None:
+        depth = self.depth
+        depth.__enter__()
+        try:
+            _push_hooks(self.pack, self.unpack)
+        except BaseException:
+            depth.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        _pop_hooks()
+        self.depth.__exit__(None, None, None)
 
 
 class _DropTask:
@@ -487,16 +513,11 @@ def run_nonreentrant(
         from ._debug import OpLog
 
         log = OpLog()
-    c_tok = _config._checkpointing.set(_config._checkpointing.get() + 1)
-    _push_hooks(frame.pack, frame.unpack)
-    try:
+    with _UnderHooks(frame.pack, frame.unpack):
         if fwd_ctx is None and log is None:
             out = fn(*args, **kwargs)
         else:
             out = _run_in(fwd_ctx, log, fn, args, kwargs)
-    finally:
-        _pop_hooks()
-        _config._checkpointing.reset(c_tok)
     if log is not None:
         frame.fwd_ops = log.ops
     frame.forward_completed = True
@@ -612,9 +633,9 @@ class SavedInputs:
 class PiecewiseRegion:
     """A non-reentrant region whose forward the caller runs in pieces, other code between.
 
-    What autograd saves inside a piece (between :meth:`enter` and :meth:`exit`)
-    is dropped and recomputed in backward by ``replay()``, with early stop,
-    shape checks and recompute-per-backward as for :func:`checkpoint`. Nothing
+    What autograd saves inside a :meth:`piece` is dropped and recomputed in
+    backward by ``replay()``, with early stop, shape checks and
+    recompute-per-backward as for :func:`checkpoint`. Nothing
     saved between pieces belongs to the region. ``replay`` must rerun every
     piece in order and put in place the state (RNG, autocast, buffers) each
     piece ran under: the region replays none itself. The inputs ``replay``
@@ -631,16 +652,9 @@ class PiecewiseRegion:
             replay, (), {}, False, [], None, None, determinism_check, early_stop, False
         )
 
-    def enter(self) -> Any:
-        """Start a piece; returns the token :meth:`exit` takes."""
-        token = _config._checkpointing.set(_config._checkpointing.get() + 1)
-        _push_hooks(self.frame.pack, self.frame.unpack)
-        return token
-
-    def exit(self, token: Any) -> None:
-        """End the piece started by :meth:`enter` (call it on every exit path)."""
-        _pop_hooks()
-        _config._checkpointing.reset(token)
+    def piece(self) -> AbstractContextManager[None]:
+        """Context manager: one piece of the forward runs inside."""
+        return _UnderHooks(self.frame.pack, self.frame.unpack)
 
     def complete(self) -> None:
         """Mark the forward finished: from now on a recompute must save what it saved."""

@@ -50,6 +50,8 @@ from typing import Any
 
 import torch
 
+from ._bytes import element_bytes
+
 _PREFETCH_DEPTH = 2
 
 
@@ -140,21 +142,6 @@ class _BlockingOps(_StreamOps):
 
 
 _ops_cache: dict[str, _StreamOps] = {}
-
-
-def nbytes_of(t: torch.Tensor) -> int:
-    """Bytes of ``t``'s elements; for a sparse tensor, of its index and value tensors."""
-    if t.layout is torch.strided:
-        return t.nbytes
-    if t.layout is torch.sparse_coo:
-        return t._indices().nbytes + t._values().nbytes
-    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
-        parts = (t.crow_indices(), t.col_indices(), t.values())
-    elif t.layout in (torch.sparse_csc, torch.sparse_bsc):
-        parts = (t.ccol_indices(), t.row_indices(), t.values())
-    else:  # a layout without a byte count (mkldnn, jagged): count its elements
-        return t.numel() * t.element_size()
-    return sum(p.nbytes for p in parts)
 
 
 def _dense_strides(t: torch.Tensor) -> bool:
@@ -303,7 +290,7 @@ class HostStash:
 
     def _put(self, t: torch.Tensor) -> _Ticket | torch.Tensor:
         ops = _ops_for(t)
-        nbytes = nbytes_of(t)  # what is copied (a view copies its own elements only)
+        nbytes = element_bytes(t)  # what is copied (a view copies its own elements only)
         self.count += 1
         self.total_bytes += nbytes
         self.current_bytes += nbytes
@@ -390,7 +377,7 @@ class HostStash:
         """
         with self.lock:
             if isinstance(tk, torch.Tensor):
-                self.current_bytes -= nbytes_of(tk)
+                self.current_bytes -= element_bytes(tk)
                 return
             if isinstance(tk, int):
                 self.current_bytes -= tk
@@ -500,7 +487,7 @@ class _OffloadHooks:
         if is_parameter_like(t):
             self.stats.skipped_parameters += 1
             return t
-        if nbytes_of(t) < self.min_bytes:
+        if element_bytes(t) < self.min_bytes:
             self.stats.skipped_small += 1
             return t
         version = t._version

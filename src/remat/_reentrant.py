@@ -113,12 +113,8 @@ def _forward(
         generators_in(args, generators)
     ctx.state = ForwardState(tensors, preserve, generators)
     ctx.save_for_backward(*tensors)
-    c_tok = _config._checkpointing.set(_config._checkpointing.get() + 1)
-    try:
-        with torch.no_grad():
-            return run_function(*args)
-    finally:
-        _config._checkpointing.reset(c_tok)
+    with _config.entering_region(), torch.no_grad():
+        return run_function(*args)
 
 
 def _backward(ctx: Any, grads: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -132,23 +128,20 @@ def _backward(ctx: Any, grads: tuple[Any, ...]) -> tuple[Any, ...]:
     for i, j in repeat.items():
         inputs[i] = inputs[j]
     token = ctx.state.enter()
-    c_tok = _config._checkpointing.set(_config._checkpointing.get() + 1)
-    r_tok = _config._recomputing.set(_config._recomputing.get() + 1)
     try:
-        detached = detach_variable(tuple(inputs))
-        # A tensor passed twice (attention's query, key and value) is one detached
-        # object again, so code testing identity (``query is key``) takes its forward
-        # path; its gradient goes out once, at its first position.
-        if repeat:
-            detached = tuple(detached[repeat.get(i, i)] for i in range(len(detached)))
-        for x, d in zip(inputs, detached):
-            if isinstance(d, torch.Tensor) and d.requires_grad:
-                d._remat_source = x  # type: ignore[attr-defined]  # see _reaches_leaf
-        with torch.enable_grad():
-            outputs = ctx.run_function(*detached)
+        with _config.recomputing_region():
+            detached = detach_variable(tuple(inputs))
+            # A tensor passed twice (attention's query, key and value) is one detached
+            # object again, so code testing identity (``query is key``) takes its forward
+            # path; its gradient goes out once, at its first position.
+            if repeat:
+                detached = tuple(detached[repeat.get(i, i)] for i in range(len(detached)))
+            for x, d in zip(inputs, detached):
+                if isinstance(d, torch.Tensor) and d.requires_grad:
+                    d._remat_source = x  # type: ignore[attr-defined]  # see _reaches_leaf
+            with torch.enable_grad():
+                outputs = ctx.run_function(*detached)
     finally:
-        _config._recomputing.reset(r_tok)
-        _config._checkpointing.reset(c_tok)
         ctx.state.exit(token)
     if isinstance(outputs, torch.Tensor):
         outputs = (outputs,)

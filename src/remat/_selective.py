@@ -64,8 +64,9 @@ import torch.utils.checkpoint as _tuc
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _disable_current_modes as _no_modes
 
+from ._bytes import element_bytes
 from ._errors import CheckpointError
-from ._offload import HostStash, nbytes_of, shared_stash
+from ._offload import HostStash, shared_stash
 from ._state import host_state, tensor_state
 from .policies import CheckpointPolicy, OpPolicy
 
@@ -329,7 +330,7 @@ class _Offloaded:
         # Once consumed by backward (or the graph is freed) the host buffers go back to the
         # pool; tensors kept on the host are released by their byte count (not held here).
         kept = [
-            nbytes_of(tk) if isinstance(tk, torch.Tensor) else tk
+            element_bytes(tk) if isinstance(tk, torch.Tensor) else tk
             for tk, t in zip(self.tickets, self.is_tensor)
             if t
         ]

@@ -162,7 +162,7 @@ class _Run:
     def __init__(self, span: _Span) -> None:
         self.opts = span.opts
         self.region: PiecewiseRegion | None = PiecewiseRegion(
-            self.replay, early_stop=_config._early_stop.get() is not False
+            self.replay, early_stop=_config.early_stop_override() is not False
         )
         self.kept = SavedInputs()
         self.kept_ids: dict[int, tuple[int, weakref.ref[torch.Tensor]]] = {}
@@ -233,11 +233,8 @@ class _Run:
         self.pieces.append(piece)
         region = self.region
         assert region is not None
-        token = region.enter()
-        try:
+        with region.piece():
             out = self.run_block(piece, args, kwargs)
-        finally:
-            region.exit(token)
         for r in self.prev:
             done = r()
             if done is not None:
@@ -289,8 +286,8 @@ class _Run:
             preserve_rng_state=opts.preserve_rng_state,
             context_fn=context_fn,
             determinism_check="default",
-            debug=bool(_config._debug.get()),
-            early_stop=_config._early_stop.get() is not False,
+            debug=bool(_config.debug_override()),
+            early_stop=_config.early_stop_override() is not False,
             state=piece.state,
         )
 
@@ -423,7 +420,7 @@ class _SpanForward:
             if self.previous is not None
             else functools.partial(type(module).forward, module)
         )
-        if not torch.is_grad_enabled() or _config._disabled.get():
+        if not torch.is_grad_enabled() or _config.checkpointing_disabled():
             return forward(*args, **kwargs)
         if torch.compiler.is_compiling():
             raise PlanError(

@@ -122,7 +122,7 @@ class _CheckpointedForward:
                 **dict(opts.fn_kwargs),
                 **kwargs,
             )
-        if not torch.is_grad_enabled() or _config._disabled.get():
+        if not torch.is_grad_enabled() or _config.checkpointing_disabled():
             return forward(*args, **kwargs)
         if opts.offload_only:
             from ._offload import offload

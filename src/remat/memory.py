@@ -71,21 +71,15 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._bytes import leaves, storage_bytes
 from ._config import is_recomputing
 from ._tree import tensors_in
 
 __all__ = ["BlockHooks", "MemoryTracker", "ModuleMemory", "Probe", "track", "track_modules"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-_SPARSE_PARTS = {
-    torch.sparse_coo: ("_indices", "_values"),
-    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
-    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
-    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
-    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
-}
 
 
 class _StorageRef(weakref.ref):  # type: ignore[type-arg]
@@ -246,7 +240,7 @@ class MemoryTracker:
         for obj in tensors:
             if not isinstance(obj, torch.Tensor):
                 continue
-            for t in (obj,) if type(obj) in _PLAIN and obj.layout is torch.strided else _leaves(obj):
+            for t in (obj,) if type(obj) in _PLAIN and obj.layout is torch.strided else leaves(obj):
                 if t.device.type == "meta":
                     continue
                 device = _device_key(t.device)
@@ -360,27 +354,12 @@ def _device_key(device: torch.device) -> str:
     return f"{device.type}:{torch.get_device_module(device.type).current_device()}"
 
 
-def _leaves(t: torch.Tensor) -> list[torch.Tensor]:
-    """The plain tensors that hold the memory of a sparse tensor or a tensor subclass."""
-    if is_traceable_wrapper_subclass(t):
-        names, _ = t.__tensor_flatten__()
-        inner = [getattr(t, n) for n in names]  # some subclasses list a DeviceMesh too
-        return [x for i in inner if isinstance(i, torch.Tensor) for x in _leaves(i)]
-    parts = _SPARSE_PARTS.get(t.layout)
-    if parts is not None:
-        with torch._C._DisableTorchDispatch():
-            return [getattr(t, p)() for p in parts]
-    if t.device.type == "meta" or t.layout is not torch.strided:
-        return []
-    return [t]
-
-
 def _input_keys(args: Any, keys: set[int]) -> None:
     for a in args:
         if type(a) in _PLAIN and a.layout is torch.strided:
             keys.add(a.untyped_storage()._cdata)
         elif isinstance(a, torch.Tensor):
-            for leaf in _leaves(a):
+            for leaf in leaves(a):
                 keys.add(leaf.untyped_storage()._cdata)
         elif isinstance(a, (list, tuple)):
             _input_keys(a, keys)
@@ -419,7 +398,7 @@ class _TrackMode(TorchDispatchMode):
         inputs: set[int] | None = None
         for out in outs:
             plain = type(out) in _PLAIN and out.layout is torch.strided
-            for t in (out,) if plain else _leaves(out):
+            for t in (out,) if plain else leaves(out):
                 if t.device.type == "meta":
                     continue
                 device = str(t.device)
@@ -521,15 +500,6 @@ class ModuleMemory:
     backward_peak: int = 0
     input_bytes: int = 0
     param_bytes: int = 0
-
-
-def _storage_bytes(tensors: Any) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        for leaf in _leaves(t):
-            st = leaf.untyped_storage()
-            seen[st._cdata] = st.nbytes()
-    return sum(seen.values())
 
 
 def _grad_tensors(obj: Any) -> list[torch.Tensor]:
@@ -652,9 +622,9 @@ class _ModuleStats:
         s.calls += 1
         found: list[torch.Tensor] = []
         tensors_in((args, kwargs), found)
-        s.input_bytes = _storage_bytes(found)
+        s.input_bytes = storage_bytes(found)
         module = self.modules[i]
-        s.param_bytes = _storage_bytes([*module.parameters(), *module.buffers()])
+        s.param_bytes = storage_bytes([*module.parameters(), *module.buffers()])
         window = self.tracker.open_window()
         s.before_forward = window.start
         self.stacks[i].append((window, [t for t in found if t.requires_grad]))

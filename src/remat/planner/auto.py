@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .. import memory
+from .._bytes import storage_bytes
 from .._errors import PlanError
 from .._modelinfo import (
     candidates,
@@ -34,7 +35,6 @@ from .state import (
     grad_bytes,
     optimizer_tensors,
     static_bytes,
-    storage_bytes,
 )
 from .stepmodel import budget_of
 

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from .. import memory
+from .._bytes import storage_bytes
 from .._modelinfo import (
     candidates,
     check_grad_enabled,
@@ -64,7 +65,6 @@ from .state import (
     grad_bytes,
     optimizer_tensors,
     static_bytes,
-    storage_bytes,
 )
 from .stepmodel import HELD_LINES, derive_blocks
 from .timing import flop_costs, make_clock, time_blocks

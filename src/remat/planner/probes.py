@@ -33,11 +33,12 @@ import torch
 from torch import nn
 
 from .. import memory
+from .._bytes import shares_storage, storage_bytes, storages
 from .._tree import tensors_in
 from ..memory import BlockHooks
 from .amp import fresh_region
 from .apply import apply_decision
-from .state import StepState, grad_bytes, storage_bytes
+from .state import StepState, grad_bytes
 from .types import Decision, Timeline
 
 _log = logging.getLogger(__name__)
@@ -45,22 +46,9 @@ _log = logging.getLogger(__name__)
 Sized = list[tuple[weakref.ref[torch.Tensor], int]]
 
 
-def storage_key(t: torch.Tensor) -> set[int]:
-    """``{data_ptr}`` of ``t``'s storage (empty for none: a tensor subclass, an empty one)."""
-    try:
-        st = t.untyped_storage()
-        return {st.data_ptr()} if st.nbytes() else set()
-    except (RuntimeError, NotImplementedError):
-        return set()
-
-
-def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` are views of one (non-empty) storage."""
-    try:
-        sa, sb = a.untyped_storage(), b.untyped_storage()
-        return bool(sa.nbytes() and sa.data_ptr() == sb.data_ptr())  # empty ones share none
-    except (RuntimeError, NotImplementedError):  # no storage (a tensor subclass)
-        return False
+def storage_keys(t: torch.Tensor) -> set[int]:
+    """The keys of the storages holding ``t``'s bytes (none for an empty tensor)."""
+    return {key for key, nbytes, _ in storages(t) if nbytes}
 
 
 def dead_bytes(sized: Sized) -> int:
@@ -69,19 +57,18 @@ def dead_bytes(sized: Sized) -> int:
 
 
 def sizes(refs: list[weakref.ref[torch.Tensor]]) -> Sized:
-    """Each live tensor's storage bytes, each storage once."""
+    """Each live tensor with the bytes of its storages not listed before (each once)."""
     out, seen = [], set()
     for r in refs:
         t = r()
         if t is None:
             continue
-        try:
-            st = t.untyped_storage()
-            key, nbytes = st.data_ptr(), st.nbytes()
-        except (RuntimeError, NotImplementedError):  # no storage (a tensor subclass)
-            continue
-        if nbytes and key not in seen:
-            seen.add(key)
+        nbytes = 0
+        for key, n, _ in storages(t):
+            if n and key not in seen:
+                seen.add(key)
+                nbytes += n
+        if nbytes:
             out.append((r, nbytes))
     return out
 
@@ -292,7 +279,7 @@ class InputFrees:
         got: list[torch.Tensor] = []
         tensors_in((args, kwargs), got)
         self._seen(got, i)
-        mine = [t for t in got if id(t) not in self.outside and not storage_key(t) & self.many]
+        mine = [t for t in got if id(t) not in self.outside and not storage_keys(t) & self.many]
         self.inputs[i] = sizes([weakref.ref(t) for t in mine])
         if i == 0:
             return
@@ -312,7 +299,7 @@ class InputFrees:
                 self.arg_sizes[id(t)] = sizes([ref])  # read while it is alive
             self.args[id(t)] = (ref, count + 1)
             if count + 1 == 2:  # shared: not one block's input (Profile.shared_bytes); from
-                self.many |= storage_key(t)  # here on ``many`` keeps it out as it is recorded
+                self.many |= storage_keys(t)  # here on ``many`` keeps it out as it is recorded
                 for j in range(i):
                     self.inputs[j] = [(r, b) for r, b in self.inputs[j] if r() is not t]
                     self.alive[j] = [(r, b) for r, b in self.alive[j] if r() is not t]

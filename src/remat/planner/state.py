@@ -16,44 +16,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+# One count of storage bytes for the tracker, the planner and offload (sparse tensors by
+# their parts, a wrapper subclass such as FSDP2's DTensor by its local shard).
+from .._bytes import storage_bytes
 from .._modelinfo import BufferSnapshot
 from .._tree import tensors_in
 from .amp import fresh_region
 from .sharded import bucket_bytes, bucket_view_params
-
-
-def storage_bytes(tensors: Iterable[torch.Tensor], device: torch.device | None) -> int:
-    """Bytes of the distinct storages of ``tensors`` (on ``device``; all when ``None``)."""
-    seen: dict[int, int] = {}
-    for t in _plain(tensors):
-        if t.is_meta:
-            continue
-        if device is not None and t.device != device:
-            continue
-        if t.layout != torch.strided:  # sparse: its parts
-            parts = [t._indices(), t._values()] if t.layout == torch.sparse_coo else []
-            seen[id(t)] = sum(p.untyped_storage().nbytes() for p in parts)
-            continue
-        st = t.untyped_storage()
-        seen[st._cdata] = st.nbytes()
-    return sum(seen.values())
-
-
-def _plain(tensors: Iterable[Any]) -> list[torch.Tensor]:
-    """The tensors that hold memory: a wrapper subclass (FSDP2's ``DTensor``) by its inner
-    tensors (a ``DTensor`` reports its global size; its local shard is what the rank holds)."""
-    out = []
-    for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            continue
-        if is_traceable_wrapper_subclass(t):
-            names, _ = t.__tensor_flatten__()
-            out += _plain(getattr(t, n) for n in names)
-        else:
-            out.append(t)
-    return out
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
