@@ -12,7 +12,7 @@ from torch import nn
 
 import remat
 from remat._spans import apply_span, spans_in
-from remat._split import split_block, unsplit_block
+from remat._split import can_split, is_split, split_block, split_children, unsplit_block
 from tests.support.models import GPT, assert_equal, gpt_step, grads
 
 
@@ -78,3 +78,29 @@ def test_functional_between_children_stays_in_the_block():
     apply_span(model, ["0", "1", "2"], inner="split")
     assert_equal(step(make()), step(model))
 
+
+def test_split_children_are_the_children_with_parameters_frozen_ones_included():
+    block = nn.Sequential(nn.LayerNorm(4), nn.ReLU(), nn.BatchNorm1d(4, affine=False), nn.Linear(4, 4))
+    block[0].requires_grad_(False)  # frozen: still a child with parameters
+    assert split_children(block) == ["0", "3"] and can_split(block)
+    assert not can_split(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))  # one region is no split
+    model = nn.Sequential(block)
+    assert split_block(model, "0") == ["0.0", "0.3"] and is_split(block)
+    assert [remat._wrap.is_wrapped(c) for c in block] == [True, False, False, True]
+
+
+@pytest.mark.parametrize(
+    "name, children, match",
+    [
+        ("nope", None, r"the model has no submodule 'nope'\. Pass names from"),
+        ("", None, "block names must be non-empty strings"),
+        ("0", "0", r"children must be a non-empty list of child names, got '0'"),
+        ("0", [], "children must be a non-empty list"),
+    ],
+    ids=["missing-block", "empty-name", "children-a-string", "no-children"],
+)
+def test_split_block_names_a_missing_block_and_bad_children(name, children, match):
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+    with pytest.raises(remat.PlanError, match=match):
+        split_block(model, name, children=children)
+    assert not is_split(model[0])
