@@ -1,117 +1,239 @@
-"""remat._config's internal API: the overrides read by the engine, and the region depths
-raised by entering_region / recomputing_region, put back on every exit path."""
+"""Settings and flags (remat._config): context managers on contextvars, thread- and task-local.
+
+``set_checkpoint_early_stop``, ``set_checkpoint_debug_enabled`` and
+``disable_checkpointing`` restore the previous value on every exit path;
+``is_checkpointing`` / ``is_recomputing`` report the region being run. Two
+threads (or asyncio tasks) checkpointing at once do not see each other's state.
+"""
 
 from __future__ import annotations
+
+import asyncio
+import threading
 
 import pytest
 import torch
 
 import remat
 from remat import _config
+from tests.support.tensors import data
 
 
-def data(n: int = 5) -> torch.Tensor:
-    return torch.randn(n, generator=torch.Generator().manual_seed(0)).requires_grad_()
+def current() -> tuple[object, object, object]:
+    return _config._early_stop.get(), _config._debug.get(), _config._disabled.get()
 
 
-def flags() -> tuple[bool, bool]:
-    return remat.is_checkpointing(), remat.is_recomputing()
+class Counted:
+    def __init__(self, barrier: threading.Barrier | None = None) -> None:
+        self.start = 0
+        self.after_last_save = 0
+        self.flags: list[tuple[bool, bool]] = []
+        self.barrier = barrier
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.start += 1
+        self.flags.append((remat.is_checkpointing(), remat.is_recomputing()))
+        if self.barrier is not None:
+            self.barrier.wait(timeout=10)  # both threads are inside a region here
+        y = x.sin()  # the last tensor saved
+        self.after_last_save += 1
+        return y * 3.0
+
+
+# ---------------------------------------------------------------- context managers
 
 
 @pytest.mark.parametrize(
-    "manager, read, value",
+    "manager, value, index",
     [
-        (remat.set_checkpoint_early_stop, _config.early_stop_override, False),
-        (remat.set_checkpoint_debug_enabled, _config.debug_override, True),
-        (lambda _: remat.disable_checkpointing(), _config.checkpointing_disabled, True),
+        (remat.set_checkpoint_early_stop, True, 0),  # stop early
+        (remat.set_checkpoint_early_stop, False, 0),  # always run the whole function
+        (remat.set_checkpoint_debug_enabled, True, 1),  # force debug on
+        (remat.set_checkpoint_debug_enabled, False, 1),  # force debug off
+        (remat.set_checkpoint_debug_enabled, None, 1),  # leave it to each call
     ],
-    ids=["early-stop", "debug", "disabled"],
 )
-def test_each_override_reads_what_its_public_setting_set(manager, read, value):
-    before = read()
-    assert before in (None, False)
+def test_settings_apply_inside_and_restore_on_exit_and_on_exception(manager, value, index):
+    assert current() == (None, None, False)
     with manager(value):
-        assert read() is value
-    assert read() is before
+        assert current()[index] is value
+    assert current() == (None, None, False)
+    with pytest.raises(KeyError), manager(value):
+        raise KeyError("inside")
+    assert current() == (None, None, False)
 
 
-def test_region_depths_nest_and_are_put_back():
-    assert flags() == (False, False)
-    with _config.entering_region():
-        assert flags() == (True, False)
-        with _config.recomputing_region():
-            assert flags() == (True, True)
-            with _config.entering_region():  # a region nested in a recompute
-                assert flags() == (True, True)
-            assert flags() == (True, True)
-        assert flags() == (True, False)
-    assert flags() == (False, False)
-
-
-@pytest.mark.parametrize("region", [_config.entering_region, _config.recomputing_region])
-def test_region_depths_are_put_back_when_the_code_inside_raises(region):
-    with pytest.raises(ValueError, match="inside"):
-        with region():
-            raise ValueError("inside")
-    assert flags() == (False, False)
+def test_settings_nest_and_restore_the_outer_value():
+    with remat.set_checkpoint_early_stop(False):
+        with remat.set_checkpoint_early_stop(True):
+            assert current()[0] is True
+        assert current()[0] is False
+        with remat.set_checkpoint_debug_enabled(True), remat.disable_checkpointing():
+            assert current() == (False, True, True)
+        assert current() == (False, None, False)
+    assert current() == (None, None, False)
 
 
 @pytest.mark.parametrize(
-    "run",
+    "call, match",
     [
-        lambda x: remat.checkpoint(torch.sin, x, use_reentrant=False),
-        lambda x: remat.checkpoint_wrapper(torch.nn.Tanh())(x),
+        (lambda: remat.set_checkpoint_early_stop(1), "enable must be a bool, got 1"),  # int
+        (lambda: remat.set_checkpoint_early_stop(None), "got None"),  # None is not a bool here
+        (lambda: remat.set_checkpoint_debug_enabled("yes"), "True, False or None, got 'yes'"),
     ],
-    ids=["checkpoint", "wrapper"],
 )
-def test_a_refused_hook_push_leaves_no_region_behind(run):
-    # before: the depth was raised before the hooks were pushed, outside the try, so a
-    # push refused by autograd left is_checkpointing() True for the rest of the thread
-    torch._C._autograd._saved_tensors_hooks_disable("saved tensors hooks are off here")
-    try:
-        with pytest.raises(RuntimeError, match="hooks are off here"):
-            run(data())
-    finally:
-        torch._C._autograd._saved_tensors_hooks_enable()
-    assert flags() == (False, False)
-    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+def test_settings_reject_bad_values(call, match):
+    with pytest.raises(TypeError, match=match), call():
+        pass
 
 
-def test_a_failed_recompute_leaves_no_region_behind():
-    calls = []
+@pytest.mark.parametrize(
+    "setting, call_arg, after_last_save",
+    [
+        (None, True, 1),  # no override: the call's early_stop=True
+        (None, False, 2),  # no override: the call's early_stop=False
+        (False, True, 2),  # the setting overrides the call
+        (True, False, 1),  # ... both ways
+    ],
+)
+def test_set_checkpoint_early_stop_overrides_the_call(setting, call_arg, after_last_save):
+    f = Counted()
+    x = data(4)
+    if setting is None:
+        out = remat.checkpoint(f, x, early_stop=call_arg)
+    else:
+        with remat.set_checkpoint_early_stop(setting):
+            out = remat.checkpoint(f, x, early_stop=call_arg)
+    out.sum().backward()  # outside the context: the value at forward time counts
+    assert (f.start, f.after_last_save) == (2, after_last_save)
 
-    def fn(x):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyError("in recompute")
-        return x.sin().exp()
 
-    y = remat.checkpoint(fn, data(), use_reentrant=False)
-    with pytest.raises(KeyError, match="in recompute"):
-        y.sum().backward()
-    assert flags() == (False, False)
+def test_disable_checkpointing_runs_the_plain_function():
+    f = Counted()
+    x = data(4)
+    with remat.disable_checkpointing():
+        out = remat.checkpoint(f, x)
+        out_r = remat.checkpoint(f, x, use_reentrant=True)
+    assert out.grad_fn.name() == "MulBackward0" and out_r.grad_fn.name() == "MulBackward0"
+    (out + out_r).sum().backward()
+    assert f.start == 2 and f.flags == [(False, False), (False, False)]
 
 
-def test_one_backward_recomputes_once_for_every_saved_tensor_and_a_group_once_more():
-    # The unpacks after the first of a backward skip the group lookup: a group entered
-    # for later backward calls still gets its own recompute, shared by them.
-    calls = []
+# ------------------------------------------------------------------------- flags
 
-    def fn(x):
-        calls.append(1)
-        return x.sin().exp() * x.cos().tanh(), x.cos().exp()  # several saved tensors
 
-    x = data()
-    a, b = remat.checkpoint(fn, x, use_reentrant=False)
-    calls.clear()
-    ga = torch.autograd.grad(a.sum(), x, retain_graph=True)[0]
-    assert len(calls) == 1
-    with remat.GraphExecGroup():
-        ga2 = torch.autograd.grad(a.sum(), x)[0]
-        gb = torch.autograd.grad(b.sum(), x)[0]
-    assert len(calls) == 2
-    x2 = x.detach().requires_grad_()
-    a2, b2 = fn(x2)
-    assert torch.equal(ga, torch.autograd.grad(a2.sum(), x2, retain_graph=True)[0])
-    assert torch.equal(ga2, ga)
-    assert torch.equal(gb, torch.autograd.grad(b2.sum(), x2)[0])
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_is_checkpointing_and_is_recomputing_track_forward_and_recompute(use_reentrant):
+    f = Counted()
+    x = data(4)
+    assert not remat.is_checkpointing() and not remat.is_recomputing()
+    remat.checkpoint(f, x, use_reentrant=use_reentrant).sum().backward()
+    assert f.flags == [(True, False), (True, True)]
+    assert not remat.is_checkpointing() and not remat.is_recomputing()
+
+
+def test_flags_in_nested_regions():
+    seen = []
+
+    def inner(t):
+        seen.append(("inner", remat.is_checkpointing(), remat.is_recomputing()))
+        return t.exp()
+
+    def outer(t):
+        seen.append(("outer", remat.is_checkpointing(), remat.is_recomputing()))
+        return remat.checkpoint(inner, t.sin()).cos()
+
+    remat.checkpoint(outer, data(3)).sum().backward()
+    assert seen[:2] == [("outer", True, False), ("inner", True, False)]
+    assert all(c and r for _, c, r in seen[2:])  # every later run is a recompute
+    assert not remat.is_checkpointing() and not remat.is_recomputing()
+
+
+# ----------------------------------------------------------------- threads, tasks
+
+
+def test_two_threads_checkpointing_at_once_do_not_interfere():
+    # Both threads meet inside their forward regions, again while "a" holds its
+    # setting and "b" reads its own, and again inside their recomputes.
+    barrier = threading.Barrier(2)
+    results: dict[str, object] = {}
+
+    def worker(name: str, seed: int) -> None:
+        try:
+            f = Counted(barrier)
+            x = data(64, seed=seed)
+            if name == "a":
+                with remat.set_checkpoint_early_stop(False):
+                    out = remat.checkpoint(f, x, debug=True)
+                    barrier.wait(timeout=10)
+                    barrier.wait(timeout=10)
+                seen = current()
+            else:
+                out = remat.checkpoint(f, x)
+                barrier.wait(timeout=10)
+                seen = current()  # "a" is inside set_checkpoint_early_stop(False) now
+                barrier.wait(timeout=10)
+            out.sum().backward()
+            results[name] = (f, x, seen)
+        except BaseException as e:  # reported in the main thread
+            barrier.abort()
+            results[name] = e
+
+    threads = [threading.Thread(target=worker, args=(name, i)) for i, name in enumerate("ab")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    for name in "ab":
+        assert not isinstance(results[name], BaseException), results[name]
+    fa, xa, seen_a = results["a"]
+    fb, xb, seen_b = results["b"]
+    assert seen_a == seen_b == (None, None, False)
+    # a recomputed the whole function, b stopped early; each region recomputed once
+    assert (fa.start, fa.after_last_save) == (2, 2)
+    assert (fb.start, fb.after_last_save) == (2, 1)
+    assert fa.flags == fb.flags == [(True, False), (True, True)]
+    for x in (xa, xb):
+        assert torch.equal(x.grad, x.detach().cos() * 3.0)
+    assert current() == (None, None, False)
+
+
+def test_a_thread_outside_any_region_sees_no_flags_while_another_checkpoints():
+    inside = threading.Event()
+    release = threading.Event()
+    seen: list[tuple[bool, bool]] = []
+
+    def f(t):
+        inside.set()
+        release.wait(timeout=10)
+        return t.sin()
+
+    def run():
+        remat.checkpoint(f, data(3)).sum().backward()
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert inside.wait(timeout=10)
+    seen.append((remat.is_checkpointing(), remat.is_recomputing()))
+    release.set()
+    t.join(timeout=30)
+    assert seen == [(False, False)]
+
+
+def test_settings_are_task_local_in_asyncio():
+    async def task(early_stop: bool, ready: asyncio.Event, other: asyncio.Event):
+        f = Counted()
+        x = data(4)
+        with remat.set_checkpoint_early_stop(early_stop):
+            ready.set()
+            await other.wait()  # the other task entered its own setting meanwhile
+            out = remat.checkpoint(f, x)
+        out.sum().backward()
+        return f.after_last_save
+
+    async def main():
+        a, b = asyncio.Event(), asyncio.Event()
+        return await asyncio.gather(task(False, a, b), task(True, b, a))
+
+    assert asyncio.run(main()) == [2, 1]
+    assert current() == (None, None, False)

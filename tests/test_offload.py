@@ -1,4 +1,4 @@
-"""remat.offload and the offload engine: what is kept on the host, and gradients unchanged."""
+"""remat.offload and the offload engine (remat._offload): what is kept on the host, and gradients unchanged."""
 
 from __future__ import annotations
 
@@ -220,7 +220,7 @@ def test_offload_policy_regions_share_one_stash_per_thread():
 @needs_cuda
 @pytest.mark.gpu
 def test_backward_prefetches_the_previous_regions_offloaded_outputs():
-    from simdevice import stash_events
+    from tests.support.simdevice import stash_events
 
     ctx_fn = functools.partial(
         remat.create_selective_checkpoint_contexts, remat.policies.offload_matmuls()

@@ -1,4 +1,5 @@
-"""The offload engine's device path, run on a simulated asynchronous device (tests/simdevice.py).
+"""The offload engine's device path, run on a simulated asynchronous device
+(tests/support/simdevice.py).
 
 The simulated device defers side-stream copies and flags any read of memory
 whose copy has not finished, so these tests check the stream discipline
@@ -16,10 +17,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from simdevice import RaceError, simulated_device, stash_events
 
 import remat
 from remat.planner.apply import apply_decision
+from tests.support.simdevice import RaceError, simulated_device, stash_events
 
 SEEDS = [0, 1, 2, 3, 4, 5]
 

@@ -13,16 +13,12 @@ import torch
 import torch.utils.checkpoint as tuc
 
 import remat
+from tests.support.tensors import assert_all_equal, data
 
 
 def mlp(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 6))
-
-
-def data(*shape: int, seed: int = 1, grad: bool = True) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g).requires_grad_(grad)
 
 
 def run_and_grads(model, x, call, *extra):
@@ -31,15 +27,6 @@ def run_and_grads(model, x, call, *extra):
     loss = call(model, x, *extra).square().sum()
     loss.backward()
     return [loss.detach(), x.grad] + [p.grad for p in model.parameters()]
-
-
-def assert_all_equal(ref, got):
-    assert len(ref) == len(got)
-    for r, g in zip(ref, got):
-        if r is None or g is None:
-            assert r is None and g is None
-        else:
-            assert torch.equal(r, g)
 
 
 def scaled(model, x, s):

@@ -15,12 +15,12 @@ import functools
 
 import pytest
 import torch
-from spanmodels import GPT, assert_equal, grads
 from torch import nn
 
 import remat
 from remat import CheckpointError, CheckpointPolicy
 from remat._spans import apply_span
+from tests.support.models import GPT, assert_equal, grads
 
 CALLS = {"n": 0}
 
@@ -50,7 +50,7 @@ counted_mm.register_autograd(_counted_backward, setup_context=_counted_setup)
 COUNTED = [torch.ops.remat_test.counted_mm.default]
 
 
-class Block(nn.Module):
+class CountedBlock(nn.Module):
     def __init__(self, d: int) -> None:
         super().__init__()
         self.w = nn.Parameter(torch.randn(d, d) / d**0.5)
@@ -63,7 +63,7 @@ class Chain(nn.Module):
     def __init__(self, n: int = 4, d: int = 16) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.layers = nn.ModuleList(Block(d) for _ in range(n))
+        self.layers = nn.ModuleList(CountedBlock(d) for _ in range(n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:

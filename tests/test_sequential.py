@@ -9,6 +9,7 @@ import torch
 import torch.utils.checkpoint as tuc
 
 import remat
+from tests.support.tensors import assert_all_equal, data
 
 
 def model(n: int = 5, seed: int = 0) -> torch.nn.Sequential:
@@ -20,11 +21,6 @@ def model(n: int = 5, seed: int = 0) -> torch.nn.Sequential:
     return torch.nn.Sequential(*layers)
 
 
-def data(seed: int = 1) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(3, 6, generator=g).requires_grad_()
-
-
 def loss_and_grads(m, x, run):
     m.zero_grad(set_to_none=True)
     x.grad = None
@@ -33,16 +29,10 @@ def loss_and_grads(m, x, run):
     return [loss.detach(), x.grad] + [p.grad for p in m.parameters()]
 
 
-def assert_all_equal(ref, got):
-    assert len(ref) == len(got)
-    for r, g in zip(ref, got):
-        assert torch.equal(r, g)
-
-
 @pytest.mark.parametrize("segments", [1, 2, 3, 4, 10])  # 1: nothing checkpointed; 10: one each
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_checkpoint_sequential_grads_equal_plain_and_torch(segments, use_reentrant):
-    m, x = model(), data()
+    m, x = model(), data(3, 6)
     ref = loss_and_grads(m, x, lambda m, x: m(x))
     got = loss_and_grads(
         m, x, lambda m, x: remat.checkpoint_sequential(m, segments, x, use_reentrant=use_reentrant)
@@ -63,7 +53,7 @@ def test_checkpoint_sequential_grads_equal_plain_and_torch(segments, use_reentra
     ],
 )
 def test_checkpoint_sequential_accepts_lists_and_module_lists(container):
-    m, x = model(), data()
+    m, x = model(), data(3, 6)
     ref = loss_and_grads(m, x, lambda m, x: m(x))
     got = loss_and_grads(
         m, x, lambda m, x: remat.checkpoint_sequential(container(m.children()), 3, x)
@@ -72,7 +62,7 @@ def test_checkpoint_sequential_accepts_lists_and_module_lists(container):
 
 
 def test_checkpoint_sequential_accepts_plain_callables():
-    x = data()
+    x = data(3, 6)
     fns = [torch.sin, torch.cos, torch.exp, lambda t: t * 2]
     y = remat.checkpoint_sequential(fns, 2, x)
     y.sum().backward()
@@ -102,7 +92,7 @@ class Counting(torch.nn.Module):
 )
 def test_every_chunk_but_the_last_is_recomputed_once(segments, calls):
     fns = [Counting() for _ in range(6)]
-    x = data()
+    x = data(3, 6)
     remat.checkpoint_sequential(fns, segments, x, early_stop=False).sum().backward()
     assert [f.calls for f in fns] == calls
 
@@ -115,7 +105,7 @@ def test_every_chunk_but_the_last_is_recomputed_once(segments, calls):
     ],
 )
 def test_checkpoint_sequential_passes_options_to_checkpoint(check, raises):
-    x = data()
+    x = data(3, 6)
     flag = {"scale": False}
 
     def maybe_scale(t):
@@ -145,18 +135,18 @@ def test_checkpoint_sequential_passes_options_to_checkpoint(check, raises):
 def test_segments_validated_with_clear_messages(segments, error, match):
     fns = [torch.sin] * 4
     with pytest.raises(error, match=match):
-        remat.checkpoint_sequential(fns, segments, data())
+        remat.checkpoint_sequential(fns, segments, data(3, 6))
 
 
 def test_torch_gives_an_unhelpful_error_for_too_many_segments():
     # the reason remat validates: torch fails deep inside range()
     with pytest.raises(ValueError, match="range\\(\\) arg 3 must not be zero"):
-        tuc.checkpoint_sequential([torch.sin] * 4, 5, data(), use_reentrant=False)
+        tuc.checkpoint_sequential([torch.sin] * 4, 5, data(3, 6), use_reentrant=False)
 
 
 def test_empty_functions_rejected():
     with pytest.raises(ValueError, match="functions is empty"):
-        remat.checkpoint_sequential([], 1, data())
+        remat.checkpoint_sequential([], 1, data(3, 6))
 
 
 @pytest.mark.parametrize(
@@ -170,17 +160,17 @@ def test_empty_functions_rejected():
 )
 def test_functions_must_be_a_sequence(functions):
     with pytest.raises(TypeError, match="functions must be an nn.Sequential or a list"):
-        remat.checkpoint_sequential(functions, 1, data())
+        remat.checkpoint_sequential(functions, 1, data(3, 6))
 
 
 def test_unknown_keyword_arguments_rejected():
     with pytest.raises(ValueError, match="Unexpected keyword arguments: bogus"):
-        remat.checkpoint_sequential([torch.sin] * 2, 1, data(), bogus=1)
+        remat.checkpoint_sequential([torch.sin] * 2, 1, data(3, 6), bogus=1)
     with pytest.raises(ValueError, match="Unexpected keyword arguments: bogus"):
-        tuc.checkpoint_sequential([torch.sin] * 2, 1, data(), use_reentrant=False, bogus=1)
+        tuc.checkpoint_sequential([torch.sin] * 2, 1, data(3, 6), use_reentrant=False, bogus=1)
 
 
 def test_checkpoint_sequential_does_not_warn_by_default():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        remat.checkpoint_sequential(model(), 2, data()).sum().backward()
+        remat.checkpoint_sequential(model(), 2, data(3, 6)).sum().backward()

@@ -1,7 +1,8 @@
-"""Spans over several blocks and blocks split in parts (remat._spans): gradients, state, refusals.
+"""Spans over several blocks (remat._spans): gradients, state, identity.
 
 Every behaviour is compared bitwise (torch.equal) with the model run without
-checkpointing from the same RNG state, dropout on.
+checkpointing from the same RNG state, dropout on. What a span refuses is in
+test_spans_refusals.py, blocks split in parts in test_split.py.
 """
 
 from __future__ import annotations
@@ -16,27 +17,14 @@ import weakref
 
 import pytest
 import torch
-import torch.nn.functional as F
-from spanmodels import GPT, BNChain, GPTBlock, MLPChain, assert_equal, gpt_step, grads
 from torch import nn
 
 import remat
-from remat._spans import (
-    apply_span,
-    remove_span,
-    span_of,
-    spans_in,
-)
-from remat._split import split_block, unsplit_block
+from remat._spans import apply_span, remove_span, span_of, spans_in
+from remat._split import split_block
+from tests.support.models import GPT, BNChain, MLPChain, assert_equal, gpt_step, grads, spanned
 
 INNERS = ["keep", "recompute", "split", "selective"]
-
-
-def spanned(model: nn.Module, groups: list[list[int]], inner: str = "recompute", **kw) -> nn.Module:
-    policy = remat.policies.save_matmuls() if inner == "selective" else None
-    for g in groups:
-        apply_span(model, [f"layers.{i}" for i in g], inner=inner, policy=policy, **kw)
-    return model
 
 
 @pytest.mark.parametrize("inner", INNERS)
@@ -365,149 +353,6 @@ def test_an_exception_inside_a_block_restores_state():
     assert not remat.is_checkpointing()
 
 
-# -- refusals: not a chain ---------------------------------------------------------------
-
-
-class Custom(nn.Module):
-    """A chain of GPT blocks run by ``body(self, x, mask)``, for the refusal tests."""
-
-    def __init__(self, body, n=4):
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.ModuleList(GPTBlock(16) for _ in range(n))
-        self.body = body
-
-    def forward(self, x):
-        t = x.shape[1]
-        mask = torch.ones(t, t, dtype=torch.bool).triu(1)
-        return self.body(self, x, mask).square().mean()
-
-
-def _run(model):
-    x = torch.randn(2, 8, 16, requires_grad=True)
-    model(x).backward()
-
-
-def _in_order(m, x, mask):
-    for layer in m.layers:
-        x = layer(x, mask=mask)
-    return x
-
-
-@pytest.mark.parametrize(
-    ("body", "match"),
-    [
-        # the model changes the hidden state between the blocks
-        (
-            lambda m, x, mask: _in_order_with(m, x, mask, lambda h: h * 2),
-            "did not receive the output of layers.1",
-        ),
-        # the blocks are called in another order than given
-        (
-            lambda m, x, mask: m.layers[1](m.layers[0](m.layers[2](x, mask=mask), mask=mask)),
-            "layers.2 was called, but layers.1 did not run just before it .no block of the span",
-        ),
-        # a block skipped
-        (
-            lambda m, x, mask: m.layers[3](m.layers[2](m.layers[0](x, mask=mask), mask=mask)),
-            "layers.2 was called, but layers.1 did not run just before it",
-        ),
-        # a block repeated
-        (
-            lambda m, x, mask: m.layers[1](m.layers[1](m.layers[0](x, mask=mask), mask=mask)),
-            "layers.1 was called, but layers.0 did not run just before it",
-        ),
-        # the hidden states are kept (output_hidden_states)
-        (lambda m, x, mask: _hidden_states(m, x, mask), "output of layers.0 is still referenced"),
-        # changed in place between blocks
-        (
-            lambda m, x, mask: _in_order_with(m, x, mask, lambda h: h.mul_(1.0)),
-            "changed in place before layers.2",
-        ),
-    ],
-)
-def test_non_chain_forward_is_refused_with_a_clear_error(body, match):
-    model = Custom(body)
-    apply_span(model, [f"layers.{i}" for i in range(4)])
-    with pytest.raises(remat.PlanError, match=match) as info:
-        _run(model)
-    assert "checkpoint" in str(info.value) or "end the span" in str(info.value).lower()
-    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
-    # the same model without the span runs
-    remove_span(model, "layers.0")
-    _run(model)
-
-
-def _in_order_with(m, x, mask, between):
-    for i, layer in enumerate(m.layers):
-        x = layer(x, mask=mask)
-        if i == 1:
-            x = between(x)
-    return x
-
-
-def test_a_skip_connection_inside_the_span_is_refused():
-    class Skip(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(8, 8)
-
-        def forward(self, x, skip=None):
-            y = torch.tanh(self.fc(x))
-            return y if skip is None else y + skip
-
-    class UNetish(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = nn.ModuleList(Skip() for _ in range(3))
-
-        def forward(self, x):
-            h0 = self.layers[0](x)
-            h1 = self.layers[1](h0)
-            return self.layers[2](h1, skip=h0).sum()  # layers.0's output reaches layers.2
-
-    model = UNetish()
-    apply_span(model, ["layers.0", "layers.1", "layers.2"])
-    with pytest.raises(remat.PlanError, match="layers.2 received a tensor that layers.0 returned"):
-        model(torch.randn(2, 8, requires_grad=True))
-    apply_span(model := UNetish(), ["layers.0", "layers.1"])  # a span that ends before: fine
-    model(torch.randn(2, 8, requires_grad=True)).backward()
-
-
-def _hidden_states(m, x, mask):
-    kept = []
-    for layer in m.layers:
-        x = layer(x, mask=mask)
-        kept.append(x)
-    return x + sum(h.sum() for h in kept[:-1])
-
-
-def test_early_exit_is_refused_in_backward():
-    model = Custom(lambda m, x, mask: m.layers[1](m.layers[0](x, mask=mask), mask=mask))
-    apply_span(model, [f"layers.{i}" for i in range(4)])
-    with pytest.raises(remat.PlanError, match="stopped after layers.1 .layers.2 never ran"):
-        _run(model)
-
-
-def test_a_block_of_a_span_called_on_its_own_with_grad_is_refused():
-    model = spanned(GPT(), [[0, 1, 2]])
-    with pytest.raises(remat.PlanError, match="no block of the span ran before it"):
-        model.layers[1](torch.randn(2, 4, 16, requires_grad=True))
-
-
-def test_under_compile_a_span_refuses(monkeypatch):
-    model = spanned(GPT(), [[0, 1]])
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    with pytest.raises(remat.PlanError, match="eager mode only"):
-        model.layers[0](torch.randn(2, 4, 16, requires_grad=True))
-
-
-def test_data_parallel_replicate_is_refused():
-    model = spanned(GPT(), [[0, 1]])
-    with pytest.raises(remat.PlanError, match="DataParallel"):
-        model.layers[0]._replicate_for_data_parallel()
-
-
 # -- applying, removing, identity ----------------------------------------------------------
 
 
@@ -587,120 +432,6 @@ def test_deepcopy_and_pickle_of_a_spanned_model_point_at_the_copy():
         "layers.1",
         "layers.2",
     )
-
-
-@pytest.mark.parametrize(
-    ("names", "kw", "match"),
-    [
-        ([], {}, "non-empty list of block names"),
-        ("layers.0", {}, "non-empty list of block names"),
-        (["layers.0", "layers.9"], {}, "no submodule 'layers.9'"),
-        (["layers.0", "layers.0"], {}, "named twice"),
-        (["layers.0", "layers.0.attn"], {}, "nested"),
-        (["layers.0", ""], {}, "non-empty strings"),
-        (["layers.0", "layers.1"], {"inner": "fast"}, "inner must be one of"),
-        (["layers.0", "layers.1"], {"inner": "selective"}, "policy goes with inner='selective'"),
-        (["layers.0", "layers.1"], {"policy": [torch.ops.aten.mm.default]}, "policy goes with"),
-        (["layers.0", "layers.1"], {"offload_inputs": True}, "nothing to do on CPU"),
-    ],
-)
-def test_apply_span_rejects_bad_arguments(names, kw, match):
-    model = GPT()
-    with pytest.raises(remat.PlanError, match=match):
-        apply_span(model, names, **kw)
-    assert spans_in(model) == []
-
-
-def test_apply_span_rejects_wrapped_or_spanned_blocks_and_shared_modules():
-    model = GPT()
-    remat.checkpoint_wrapper(model.layers[1])
-    with pytest.raises(remat.PlanError, match="unwrap"):
-        apply_span(model, ["layers.0", "layers.1"])
-    remat.unwrap(model.layers[1])
-    apply_span(model, ["layers.0", "layers.1"])
-    with pytest.raises(remat.PlanError, match="already in a span"):
-        apply_span(model, ["layers.1", "layers.2"])
-    shared = nn.Sequential()
-    block = nn.Linear(4, 4)
-    shared.add_module("a", block)
-    shared.add_module("b", block)
-    with pytest.raises(remat.PlanError, match="same module"):
-        apply_span(shared, ["a", "b"])
-    with pytest.raises(remat.PlanError, match="not a block of a span"):
-        remove_span(model, "layers.3")
-
-
-def test_offload_inputs_on_cpu_is_refused_in_forward_for_blocks_without_parameters():
-    model = nn.Sequential(nn.Tanh(), nn.Sigmoid())
-    apply_span(model, ["0", "1"], offload_inputs=True)  # no parameter tells the device yet
-    with pytest.raises(remat.PlanError, match="offload_inputs=True.*on cpu"):
-        model(torch.randn(3, requires_grad=True))
-
-
-# -- split ----------------------------------------------------------------------------------
-
-
-def test_split_block_grads_equal_and_unsplit_restores():
-    model = GPT()
-    assert split_block(model, "layers.2") == ["layers.2.ln1", "layers.2.attn", "layers.2.ln2", "layers.2.mlp"]  # the children with parameters
-    assert split_block(model, "layers.3", children=["ln1", "attn"]) == [
-        "layers.3.ln1",
-        "layers.3.attn",
-    ]
-    remat.checkpoint_wrapper(model.layers[4])  # a checkpointed block split inside
-    split_block(model, "layers.4")
-    ref, rng = gpt_step(GPT())
-    got, rng2 = gpt_step(model)
-    assert_equal(ref, got)
-    assert torch.equal(rng, rng2)
-    assert unsplit_block(model, "layers.2") == ["layers.2.ln1", "layers.2.attn", "layers.2.ln2", "layers.2.mlp"]
-    assert not remat._wrap.is_wrapped(model.layers[2].attn)
-    assert unsplit_block(model, "layers.2") == []
-
-
-def test_split_block_rejects_too_few_children_unknown_and_repeated_splits():
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2)])
-    with pytest.raises(remat.PlanError, match=r"'0' has 1 children with parameters \(\['0'\]"):
-        split_block(model, "0")
-    with pytest.raises(remat.PlanError, match="has no child 'mlp'"):
-        split_block(model, "0", children=["mlp"])
-    gpt = GPT()
-    split_block(gpt, "layers.0")
-    with pytest.raises(remat.PlanError, match="already split"):
-        split_block(gpt, "layers.0")
-    remat.checkpoint_wrapper(gpt.layers[1].mlp)
-    with pytest.raises(remat.PlanError, match="already checkpointed; unwrap it first"):
-        split_block(gpt, "layers.1")
-    assert not remat._wrap.is_wrapped(gpt.layers[1].attn)  # nothing half done
-    with pytest.raises(remat.PlanError, match="splitting needs two or more"):
-        apply_span(model, ["0", "1"], inner="split")
-    assert spans_in(model) == []
-
-
-def test_functional_between_children_stays_in_the_block():
-    # a block whose forward applies functional code between its children: split keeps it
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5))
-            self.b = nn.Sequential(nn.Linear(8, 8))
-
-        def forward(self, x):
-            return x + self.b(F.silu(self.a(x)))
-
-    def make():
-        torch.manual_seed(0)
-        return nn.Sequential(Block(), Block(), Block())
-
-    def step(m):
-        torch.manual_seed(3)
-        x = torch.randn(4, 8, requires_grad=True)
-        m(x).square().sum().backward()
-        return grads(m, x)
-
-    model = make()
-    apply_span(model, ["0", "1", "2"], inner="split")
-    assert_equal(step(make()), step(model))
 
 
 def test_module_hooks_of_span_blocks_run_once_per_call_not_in_recompute():

@@ -3,7 +3,7 @@
 The referee for the backward peak is torch.utils.checkpoint nested by hand on
 the same model: a checkpoint over each segment of blocks, each block
 checkpointed inside (and, for split, each composite child inside that).
-Offload runs on the simulated asynchronous device of tests/simdevice.py.
+Offload runs on the simulated asynchronous device of tests/support/simdevice.py.
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import functools
 
 import pytest
 import torch
-from simdevice import simulated_device, stash_events
-from spanmodels import GPT, MLPChain, assert_equal, gpt_step, grads
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import remat
 from remat._spans import apply_span
 from remat._split import split_block
+from tests.support.models import GPT, MLPChain, assert_equal, gpt_step, grads
+from tests.support.simdevice import simulated_device, stash_events
 
 ROWS, D = 256, 16
 UNIT = ROWS * D * 4  # bytes of one block input of MLPChain

@@ -3,7 +3,7 @@
 Each case runs the same program without checkpointing, with remat (non-reentrant,
 reentrant, selective with ``save_matmuls``) and, where torch is right, with
 ``torch.utils.checkpoint``; outputs, gradients and the RNG state after backward
-are compared bitwise. Complements ``test_rng_autocast.py`` (dropout, the
+are compared bitwise. Complements ``test_state.py`` (dropout, the
 forward's autocast, the default device) with the state that breaks less often:
 explicit generators, the autocast cast cache, the default dtype, grad-mode
 blocks, and every flag restored when the recompute raises.
@@ -29,11 +29,11 @@ import torch
 import torch.nn.functional as F
 import torch.utils._device as device_mod
 import torch.utils.checkpoint as tuc
-from differential import Outcome, assert_matches_reference, same_grads
 from torch.overrides import _get_current_function_mode_stack
 
 import remat
 import remat._state
+from tests.support.differential import Outcome, assert_matches_reference, same_grads
 
 Call = Callable[..., Any]
 

@@ -115,3 +115,74 @@ def test_verify_puts_back_a_buffer_the_forward_replaced():
     report = remat.verify(model, torch.randn(2, 4))
     assert report.ok, str(report)
     assert model.steps is original and model.steps.item() == 0.0
+
+
+# ---------------------------------------------------------------- NaNs, inputs, statistics
+
+
+class _Log(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return remat.checkpoint(self.lin, x).log()
+
+
+def test_verify_treats_nans_at_the_same_places_as_equal():
+    # the loss and the input gradient are NaN in both runs, bit for bit: "loss differs, nan"
+    x = torch.full((2, 4), -100.0, requires_grad=True)
+    report = remat.verify(_Log(), x, loss_fn=lambda o: o.sum() * x.sum())
+    assert report.ok, str(report)
+
+
+def test_verify_reports_a_nan_on_one_side_only_as_infinite():
+    from remat._verify import _diff
+
+    a = torch.tensor([1.0, float("nan")])
+    assert _diff(a, a.clone()) is None
+    assert _diff(a, torch.tensor([1.0, 2.0])) == float("inf")
+    assert _diff(a, torch.tensor([3.0, float("nan")])) == 2.0
+
+
+def test_verify_detaches_an_input_that_is_not_a_leaf():
+    # the second step's backward ran into the input's graph, freed by the first: it raised
+    w = torch.randn(2, 4, requires_grad=True)
+    report = remat.verify(_Log(), (w * 2).exp())
+    assert report.ok, str(report)
+    assert "input[0]" not in {d.name for d in report.differences}
+    assert w.grad is None  # the graph that made the input is not run
+
+
+def test_verify_leaves_no_gradient_on_a_parameter_of_the_loss():
+    # a leaf reached only through loss_fn got its gradient accumulated twice
+    scale = torch.nn.Parameter(torch.ones(()))
+    remat.verify(_Log(), torch.rand(2, 4) + 1, loss_fn=lambda o: (o * scale).sum())
+    assert scale.grad is None
+
+
+def test_verify_reports_batchnorm_statistics_updated_again_by_the_recompute():
+    # not a bug of verify: BatchNorm inside a checkpoint updates its statistics twice
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.bn = torch.nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            return remat.checkpoint(self.bn, x)
+
+    model = M()
+    report = remat.verify(model, torch.randn(8, 4, requires_grad=True))
+    assert {d.name for d in report.differences} == {
+        "bn.running_mean",
+        "bn.running_var",
+        "bn.num_batches_tracked",
+    }
+    assert model.bn.num_batches_tracked.item() == 0  # restored
+
+
+def test_verify_without_checkpointing_reports_nothing():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    assert remat.verify(model, torch.randn(3, 4)).ok

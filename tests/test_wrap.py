@@ -1,9 +1,13 @@
-"""checkpoint_wrapper / unwrap / apply_activation_checkpointing: identity, gradients, side effects."""
+"""checkpoint_wrapper / unwrap / apply_activation_checkpointing: identity, gradients, corner cases.
+
+The corner cases (a buffer reassigned in forward, forward keywords named like checkpoint
+options, eval between forward and backward, applying twice, DataParallel replicas) each
+pin a fixed bug, compared with the plain module.
+"""
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import gc
 import io
@@ -15,18 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import remat
-
-
-class Block(nn.Module):
-    def __init__(self, d=16):
-        super().__init__()
-        self.fc = nn.Linear(d, 2 * d)
-        self.bn = nn.BatchNorm1d(2 * d)
-        self.out = nn.Linear(2 * d, d)
-        self.drop = nn.Dropout(0.2)
-
-    def forward(self, x):
-        return x + self.drop(self.out(F.gelu(self.bn(self.fc(x)))))
+from tests.support.models import BNBlock
 
 
 class Net(nn.Module):
@@ -34,7 +27,7 @@ class Net(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.inp = nn.Linear(d, d)
-        self.layers = nn.ModuleList(Block(d) for _ in range(n))
+        self.layers = nn.ModuleList(BNBlock(d) for _ in range(n))
         self.head = nn.Sequential(nn.Linear(d, d), nn.ReLU())  # smaller container
 
     def forward(self, x):
@@ -100,7 +93,7 @@ def test_wrapper_keeps_identity_names_and_state_dict_keys():
     before = names_and_types(model)
     block = model.layers[1]
     assert remat.checkpoint_wrapper(block) is block
-    assert isinstance(block, Block) and type(block) is Block
+    assert isinstance(block, BNBlock) and type(block) is BNBlock
     assert names_and_types(model) == before
     assert "[remat: checkpointed]" in repr(block)
 
@@ -185,7 +178,7 @@ def test_wrapping_adds_no_reference_cycle():
     gc.collect()
     gc.disable()
     try:
-        block = Block()
+        block = BNBlock()
         remat.checkpoint_wrapper(block)
         block(torch.randn(4, 16)).sum().backward()
         ref = weakref.ref(block)
@@ -209,7 +202,7 @@ def test_deepcopy_and_pickle_point_at_the_copy():
 
 
 def test_wrapping_twice_same_options_is_noop_other_options_raise():
-    block = Block()
+    block = BNBlock()
     remat.checkpoint_wrapper(block)
     fwd = block.forward
     assert remat.checkpoint_wrapper(block) is block and block.forward is fwd
@@ -218,7 +211,7 @@ def test_wrapping_twice_same_options_is_noop_other_options_raise():
 
 
 def test_unwrap_restores_the_plain_module():
-    block = Block()
+    block = BNBlock()
     remat.checkpoint_wrapper(block)
     remat.unwrap(block)
     assert "forward" not in block.__dict__ and "[remat" not in repr(block)
@@ -228,21 +221,21 @@ def test_unwrap_restores_the_plain_module():
 def test_policy_and_context_fn_together_are_rejected():
     with pytest.raises(ValueError, match="either policy"):
         remat.checkpoint_wrapper(
-            Block(), policy=[torch.ops.aten.mm.default], context_fn=remat.noop_context_fn
+            BNBlock(), policy=[torch.ops.aten.mm.default], context_fn=remat.noop_context_fn
         )
 
 
 def test_no_grad_and_disable_checkpointing_run_the_plain_module():
-    block = Block()
+    block = BNBlock()
     remat.checkpoint_wrapper(block)
     seen = []
-    orig = Block.forward
+    orig = BNBlock.forward
 
     def spy(self, x):
         seen.append(remat.is_checkpointing())
         return orig(self, x)
 
-    Block.forward = spy
+    BNBlock.forward = spy
     try:
         with torch.no_grad():
             block(torch.randn(4, 16))
@@ -250,33 +243,8 @@ def test_no_grad_and_disable_checkpointing_run_the_plain_module():
             block(torch.randn(4, 16))
         block(torch.randn(4, 16))
     finally:
-        Block.forward = orig
+        BNBlock.forward = orig
     assert seen == [False, False, True]
-
-
-class Counting(nn.Module):
-    """Reads and bumps its own buffer in forward."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-        self.register_buffer("step", torch.zeros(()))
-
-    def forward(self, x):
-        self.step += 1
-        return self.lin(x) * self.step
-
-
-def test_buffers_changed_in_forward_recompute_bitwise_and_update_once():
-    ref_model, model = Counting(), Counting()
-    model.load_state_dict(ref_model.state_dict())
-    remat.checkpoint_wrapper(model)
-    for _ in range(3):
-        x = torch.randn(2, 4)
-        ref_model(x).sum().backward()
-        model(x).sum().backward()
-    assert model.step.item() == ref_model.step.item() == 3
-    assert torch.equal(model.lin.weight.grad, ref_model.lin.weight.grad)
 
 
 def test_batchnorm_stats_updated_once_also_without_backward():
@@ -290,235 +258,6 @@ def test_batchnorm_stats_updated_once_also_without_backward():
     for (k, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), k
     assert model.layers[0].bn.num_batches_tracked.item() == 1
-
-
-# ------------------------------------------------------------- Hugging Face-style decoder layer
-
-
-class Cache:
-    def __init__(self):
-        self.keys: list[torch.Tensor] = []
-
-    def update(self, k):
-        self.keys.append(k)
-        return torch.cat(self.keys, dim=1)
-
-
-@dataclasses.dataclass
-class LayerOutput:
-    hidden: torch.Tensor
-    attn: torch.Tensor | None
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, d=16):
-        super().__init__()
-        self.q = nn.Linear(d, d)
-        self.k = nn.Linear(d, d)
-        self.o = nn.Linear(d, d)
-
-    def forward(
-        self,
-        hidden_states,
-        attention_mask=None,
-        position_embeddings=None,
-        past_key_value=None,
-        use_cache=False,
-        output_attentions=False,
-    ):
-        cos, sin = position_embeddings
-        q = self.q(hidden_states) * cos + sin
-        k = self.k(hidden_states)
-        if use_cache and past_key_value is not None:
-            k = past_key_value.update(k)
-        scores = q @ k.transpose(1, 2)
-        if attention_mask is not None:
-            scores = scores + attention_mask[..., : k.shape[1]]
-        attn = scores.softmax(-1)
-        out = self.o(attn @ k)
-        return (
-            hidden_states + out,
-            attn if output_attentions else None,
-            past_key_value if use_cache else None,
-        )
-
-
-def hf_inputs():
-    g = torch.Generator().manual_seed(0)
-    h = torch.randn(2, 5, 16, generator=g, requires_grad=True)
-    pos = (torch.randn(5, 16, generator=g), torch.randn(5, 16, generator=g))
-    mask = torch.zeros(2, 5, 5)
-    return h, pos, mask
-
-
-def test_hf_style_layer_with_kwargs_tuple_outputs_and_none():
-    torch.manual_seed(0)
-    ref, layer = DecoderLayer(), DecoderLayer()
-    layer.load_state_dict(ref.state_dict())
-    remat.checkpoint_wrapper(layer)
-    grads = []
-    for m in (ref, layer):
-        h, pos, mask = hf_inputs()
-        out, attn, cache = m(
-            h, attention_mask=mask, position_embeddings=pos, use_cache=False, output_attentions=True
-        )
-        assert cache is None
-        (out.sum() + attn.sum()).backward()
-        grads.append([h.grad] + [p.grad for p in m.parameters()])
-    for a, b in zip(*grads):
-        assert torch.equal(a, b)
-
-
-def test_cache_append_repeated_in_recompute_raises_naming_module():
-    layer = remat.checkpoint_wrapper(DecoderLayer())
-    h, pos, mask = hf_inputs()
-    cache = Cache()
-    out, _, _ = layer(
-        h, attention_mask=mask, position_embeddings=pos, past_key_value=cache, use_cache=True
-    )
-    assert len(cache.keys) == 1
-    with pytest.raises(
-        remat.CheckpointError,
-        match=r"DecoderLayer.*past_key_value.*Cache.*use_cache=False.*is_recomputing",
-    ):
-        out.sum().backward()
-
-
-class _Seen:
-    """A plain object (passed by reference, unlike lists, which recompute gets as they were)."""
-
-    def __init__(self):
-        self.items: list[torch.Tensor] = []
-
-
-class _ObjArg(nn.Module):
-    def __init__(self, guarded_append=False, reads_length=False):
-        super().__init__()
-        self.lin = nn.Linear(3, 3)
-        self.guarded_append = guarded_append
-        self.reads_length = reads_length
-
-    def forward(self, x, seen):
-        y = self.lin(x)
-        if self.reads_length:
-            y = y.reshape(len(seen.items) + 4, 3)  # x has 4 rows: fits only while empty
-        if self.guarded_append and not remat.is_recomputing():
-            seen.items.append(y.detach())
-        return y.tanh()
-
-
-def test_object_argument_changed_by_caller_after_forward_is_fine():
-    torch.manual_seed(0)
-    m = _ObjArg()
-    x = torch.randn(12, 3, requires_grad=True)
-    m(x, _Seen()).sum().backward()
-    ref = [x.grad.clone()] + [p.grad.clone() for p in m.parameters()]
-    x.grad = None
-    m.zero_grad()
-    remat.checkpoint_wrapper(m)
-    seen = _Seen()
-    y = m(x, seen)
-    seen.items.append(torch.zeros(2))  # the caller collects something after the call
-    y.sum().backward()
-    for a, b in zip(ref, [x.grad] + [p.grad for p in m.parameters()]):
-        assert torch.equal(a, b)
-
-
-def test_side_effect_guarded_with_is_recomputing_runs_once_and_recompute_succeeds():
-    m = remat.checkpoint_wrapper(_ObjArg(guarded_append=True))
-    x = torch.randn(12, 3, requires_grad=True)
-    seen = _Seen()
-    m(x, seen).sum().backward()
-    assert len(seen.items) == 1 and x.grad is not None
-
-
-def test_recompute_that_fails_on_an_argument_the_forward_changed_names_it():
-    m = remat.checkpoint_wrapper(_ObjArg(guarded_append=True, reads_length=True))
-    x = torch.randn(4, 3, requires_grad=True)
-    seen = _Seen()
-    y = m(x, seen)
-    with pytest.raises(
-        remat.CheckpointError, match=r"_ObjArg's recompute failed while argument 1 \(_Seen\)"
-    ) as info:
-        y.sum().backward()
-    assert isinstance(info.value.__cause__, RuntimeError)
-
-
-def test_cache_guarded_with_is_recomputing_works():
-    class Guarded(DecoderLayer):
-        def forward(self, hidden_states, past_key_value=None, **kw):
-            if remat.is_recomputing():
-                return super().forward(hidden_states, **kw)
-            return super().forward(hidden_states, past_key_value=past_key_value, **kw)
-
-    layer = remat.checkpoint_wrapper(Guarded())
-    h, pos, _ = hf_inputs()
-    cache = Cache()
-    out, _, _ = layer(h, position_embeddings=pos, past_key_value=cache, use_cache=False)
-    out.sum().backward()
-    assert h.grad is not None
-
-
-def test_list_argument_is_replayed_as_it_was_when_the_forward_started():
-    m = remat.checkpoint_wrapper(_ObjArg())
-    seen_lengths = []
-
-    def forward(x, lst):
-        seen_lengths.append(len(lst))
-        return m.lin(x).tanh()
-
-    x = torch.randn(4, 3, requires_grad=True)
-    lst: list[int] = []
-    y = remat.checkpoint(forward, x, lst)
-    lst.append(1)
-    y.sum().backward()
-    assert seen_lengths == [0, 0]
-
-
-class KW(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x, *, scale=1.0, as_dataclass=False):
-        y = self.lin(x) * scale
-        return LayerOutput(y, None) if as_dataclass else (y, None)
-
-
-def test_dataclass_outputs_non_reentrant():
-    m = remat.checkpoint_wrapper(KW())
-    x = torch.randn(3, 4, requires_grad=True)
-    out = m(x, scale=2.0, as_dataclass=True)
-    assert out.attn is None
-    out.hidden.sum().backward()
-    assert torch.allclose(x.grad, 2.0 * m.lin.weight.sum(0).expand(3, 4))
-
-
-def test_reentrant_wrapper_takes_keyword_arguments():
-    m = remat.checkpoint_wrapper(KW(), use_reentrant=True)
-    x = torch.randn(3, 4, requires_grad=True)
-    y, none = m(x, scale=2.0)
-    assert none is None
-    y.sum().backward()
-    assert torch.allclose(x.grad, 2.0 * m.lin.weight.sum(0).expand(3, 4))
-
-
-def test_is_recomputing_guard_skips_side_effects_in_wrapped_module():
-    log = []
-
-    class Logs(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-
-        def forward(self, x):
-            if not remat.is_recomputing():
-                log.append("step")
-            return self.lin(x).tanh()
-
-    m = remat.checkpoint_wrapper(Logs())
-    m(torch.randn(2, 4)).sum().backward()
-    assert log == ["step"]
 
 
 @pytest.mark.slow
@@ -546,21 +285,6 @@ def test_policy_given_as_partial_still_selective():
     pol = functools.partial(lambda ctx, op, *a, **k: op == torch.ops.aten.addmm.default)
     remat.apply_activation_checkpointing(model, policy=pol)
     assert_same(train_steps(model, steps=1), train_steps(Net(n=2), steps=1))
-
-
-def test_reentrant_wrapper_supports_autograd_grad_and_frozen_inputs():
-    ref, m = KW(), KW()
-    m.load_state_dict(ref.state_dict())
-    remat.checkpoint_wrapper(m, use_reentrant=True)
-    x = torch.randn(3, 4)  # frozen input: parameters must still get gradients
-    (gr,) = torch.autograd.grad(ref(x)[0].sum(), [ref.lin.weight])
-    (gm,) = torch.autograd.grad(m(x)[0].sum(), [m.lin.weight])  # torch's reentrant raises here
-    assert torch.equal(gr, gm)
-
-
-def test_reentrant_wrapper_rejects_policy():
-    with pytest.raises(ValueError, match="use_reentrant=False"):
-        remat.checkpoint_wrapper(KW(), use_reentrant=True, policy=[torch.ops.aten.mm.default])
 
 
 @pytest.mark.gpu
@@ -617,3 +341,181 @@ def test_weight_the_module_reads_but_does_not_own_still_gets_its_gradient(use_re
     got = [emb.weight.grad, x.grad] + [p.grad for p in head.parameters()]
     for r, g in zip(ref, got):
         assert g is not None and torch.equal(r, g)
+
+
+# ---------------------------------------------------------------- corner cases (fixed bugs)
+
+
+VARIANTS = [
+    {},  # non-reentrant
+    {"use_reentrant": True},
+    {"policy": remat.policies.save_matmuls()},  # selective
+]
+
+
+def grads(model):
+    return [p.grad for p in model.parameters()]
+
+
+def assert_equal_lists(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x is not None and y is not None and torch.equal(x, y)
+
+
+class Reassigns(nn.Module):
+    """Assigns a new tensor to its buffer in forward instead of changing it in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("step", torch.zeros(()))
+
+    def forward(self, x):
+        self.step = self.step + 1
+        return self.lin(x) * self.step
+
+
+@pytest.mark.parametrize("kwargs", VARIANTS)
+def test_buffer_reassigned_in_forward_recomputes_with_its_forward_value(kwargs):
+    torch.manual_seed(0)
+    ref = Reassigns()
+    model = remat.checkpoint_wrapper(copy.deepcopy(ref), **kwargs)
+    for _ in range(2):
+        x = torch.randn(2, 4)
+        ref(x).sum().backward()
+        model(x).sum().backward()
+    assert model.step.item() == ref.step.item() == 2  # was 4: the recompute assigned it again
+    assert_equal_lists(grads(model), grads(ref))
+
+
+class Keywords(nn.Module):
+    """A forward whose keywords share names with checkpoint()'s own options."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(
+        self,
+        x,
+        function=None,
+        debug=False,
+        early_stop=None,
+        determinism_check=None,
+        context_fn=None,
+        preserve_rng_state=None,
+        use_reentrant=None,
+    ):
+        seen = (
+            function,
+            debug,
+            early_stop,
+            determinism_check,
+            context_fn,
+            preserve_rng_state,
+            use_reentrant,
+        )
+        scale = 1.0 + sum(v is not None and v is not False for v in seen)
+        return self.lin(x) * scale
+
+
+@pytest.mark.parametrize("kwargs", VARIANTS)
+@pytest.mark.parametrize(
+    "name",
+    [
+        "function",
+        "debug",
+        "early_stop",
+        "determinism_check",
+        "context_fn",
+        "preserve_rng_state",
+        "use_reentrant",
+    ],
+)
+def test_forward_keywords_named_like_checkpoint_options_reach_the_forward(kwargs, name):
+    torch.manual_seed(0)
+    ref = Keywords()
+    model = remat.checkpoint_wrapper(copy.deepcopy(ref), **kwargs)
+    x = torch.randn(3, 4)
+    want = ref(x, **{name: "value"})
+    got = model(x, **{name: "value"})  # was swallowed by checkpoint, or raised TypeError
+    assert torch.equal(got, want)
+    want.sum().backward()
+    got.sum().backward()
+    assert_equal_lists(grads(model), grads(ref))
+
+
+def test_forward_keyword_named_like_checkpoint_option_under_compile():
+    torch.manual_seed(0)
+    ref = Keywords()
+    model = remat.checkpoint_wrapper(copy.deepcopy(ref))
+    x = torch.randn(3, 4)
+    compiled = torch.compile(lambda t: model(t, debug=True), backend="eager", fullgraph=True)
+    assert torch.allclose(compiled(x), ref(x, debug=True))
+
+
+class DropoutBNBlock(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.bn = nn.BatchNorm1d(d)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x):
+        return x + self.drop(F.gelu(self.bn(self.fc(x))))
+
+
+def model_and_copy():
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 8), DropoutBNBlock(), nn.Linear(8, 8))
+    return ref, copy.deepcopy(ref)
+
+
+@pytest.mark.parametrize("kwargs", VARIANTS)
+def test_eval_between_forward_and_backward_recomputes_in_forward_mode(kwargs):
+    ref, model = model_and_copy()
+    remat.checkpoint_wrapper(model[1], **kwargs)
+    x = torch.randn(6, 8)
+    outs = []
+    for m in (ref, model):
+        torch.manual_seed(1)
+        y = m(x)
+        m.eval()  # e.g. an evaluation callback before backward
+        y.sum().backward()  # was: CheckpointError, or (reentrant) silently wrong gradients
+        outs.append(torch.get_rng_state())
+        assert not any(sub.training for sub in m.modules())  # left as the caller set it
+    assert torch.equal(outs[0], outs[1])
+    assert_equal_lists(grads(model), grads(ref))
+    for a, b in zip(ref.buffers(), model.buffers()):
+        assert torch.equal(a, b)
+
+
+def test_apply_twice_does_not_wrap_inside_an_already_wrapped_module():
+    _, model = model_and_copy()
+    assert remat.apply_activation_checkpointing(model) == ["0", "1", "2"]
+    names = remat.apply_activation_checkpointing(
+        model, check_fn=lambda n, m: isinstance(m, nn.Linear)
+    )
+    assert names == ["0", "2"]  # not "1.fc", inside the wrapped "1"
+    assert "forward" not in model[1].fc.__dict__
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_data_parallel_replica_runs_with_its_own_parameters(use_reentrant):
+    # nn.DataParallel replicates a module by a shallow copy of its __dict__ and then gives
+    # the replica its own parameters; its forward must use those, not the original's.
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    remat.checkpoint_wrapper(lin, use_reentrant=use_reentrant)
+    replica = lin._replicate_for_data_parallel()
+    w = torch.randn(4, 4, requires_grad=True)
+    b = torch.randn(4, requires_grad=True)
+    replica._parameters["weight"], replica._parameters["bias"] = w, b
+    x = torch.randn(3, 4, requires_grad=True)
+    y = replica(x)
+    assert torch.equal(y, torch.nn.functional.linear(x, w, b))
+    y.sum().backward()
+    assert w.grad is not None and lin.weight.grad is None
+    assert "remat: checkpointed" in repr(replica)
+    assert remat.unwrap(lin) is lin and "_replicate_for_data_parallel" not in lin.__dict__

@@ -106,7 +106,7 @@ class Check:
         """The device the offload engine sees: the simulated one in a dry run, else the real one."""
         if not self.dry_run:
             return contextlib.nullcontext()
-        return sibling("simdevice", ROOT / "tests" / "simdevice.py").simulated_device(0)
+        return sibling("simdevice", ROOT / "tests" / "support" / "simdevice.py").simulated_device(0)
 
 
 def release(device: torch.device) -> None:

@@ -1,0 +1,5 @@
+"""Tests of remat.bench: models, strategies, runner, statistics, report, picture."""
+
+from __future__ import annotations
+
+

@@ -1,0 +1,105 @@
+"""The planner's data (remat.Plan, remat.Profile): JSON round trips that keep every field,
+unknown fields refused, and the table of a plan read back.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import remat
+from remat import PlanError
+from remat.planner.solve import Plan
+from remat.planner.types import Phase
+from tests.support.plans import wide_mlp
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_plan_json_round_trip_and_table():
+    p = Plan(
+        decisions={"blocks.0": "recompute", "blocks.1": "keep"},
+        predicted_peak_bytes=3 * 2**20,
+        predicted_overhead_s=0.012,
+        unchecked_peak_bytes=5 * 2**20,
+        budget_bytes=4 * 2**20,
+        saved_bytes={"blocks.0": 2**20, "blocks.1": 0},
+        added_cost={"blocks.0": 0.012, "blocks.1": 0.0},
+        static_bytes=2**20,
+        peak_at="backward of 'blocks.0'",
+        breakdown={"static": 2**20, "gradients": 2**19, "optimizer": 0, "activations": 3 * 2**19},
+    )
+    q = Plan.from_json(p.to_json())
+    assert q == p
+    text = str(p)
+    assert "blocks.0" in text and "recompute" in text and "predicted step peak 3.00 MiB" in text
+    assert "peak in backward of 'blocks.0': static 1.00 MiB, gradients 512.00 KiB" in text
+    assert "optimizer.step()" not in text  # a movable peak names no lever
+
+
+def test_plan_table_names_the_lever_when_the_optimizer_step_is_the_peak():
+    p = Plan(
+        decisions={"blocks.0": "keep"},
+        predicted_peak_bytes=4 * 2**20,
+        predicted_overhead_s=0.0,
+        unchecked_peak_bytes=4 * 2**20,
+        budget_bytes=4 * 2**20,
+        peak_at="optimizer.step() of the first step (optimizer state created)",
+        breakdown={"static": 2**20, "gradients": 2**20, "optimizer": 2**21, "activations": 0},
+        peak_movable=False,
+        peak_phase=Phase.OPTIMIZER_FIRST,
+    )
+    text = str(_round_trip(p))
+    assert "no checkpointing plan lowers" in text and "shard the optimizer state" in text
+
+
+def _round_trip(p: Plan) -> Plan:
+    q = Plan.from_json(p.to_json())
+    assert q == p
+    return q
+
+
+@pytest.mark.parametrize("extra", ['"peak_where": "x"', '"budget": 1'])
+def test_plan_from_json_refuses_unknown_fields(extra):
+    text = Plan(
+        decisions={"blocks.0": "keep"},
+        predicted_peak_bytes=1,
+        predicted_overhead_s=0.0,
+        unchecked_peak_bytes=1,
+        budget_bytes=1,
+    ).to_json()
+    with pytest.raises(PlanError, match="unknown fields"):
+        Plan.from_json(text.replace("{", "{" + extra + ", ", 1))
+
+
+# ---------------------------------------------------------------- plan files
+
+
+def test_plan_json_round_trip_keeps_the_step_fields():
+    model, x = wide_mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    p = remat.plan(remat.profile(model, x, optimizer=opt, timer="flops"), "100%")
+    q = remat.Plan.from_json(p.to_json())
+    assert q == p
+    assert (q.static_bytes, q.peak_at, q.breakdown, q.peak_movable) == (
+        p.static_bytes,
+        p.peak_at,
+        p.breakdown,
+        False,
+    )
+
+
+def test_profile_json_round_trip_keeps_the_step_terms(adamw_profile, tmp_path):
+    path = tmp_path / "profile.json"
+    adamw_profile.save(str(path))
+    loaded = remat.Profile.load(str(path))
+    assert loaded == adamw_profile
+    for ds in (["keep"] * 3, ["recompute"] * 3):
+        assert loaded.peak(ds) == adamw_profile.peak(ds)
+
+
+def test_plan_from_json_with_unknown_fields_raises(adamw_profile):
+    data = remat.plan(adamw_profile, "100%").to_json()
+    bad = data.replace('"peak_at"', '"peak_where"')
+    with pytest.raises(remat.PlanError, match=r"unknown fields \['peak_where'\]"):
+        remat.Plan.from_json(bad)
