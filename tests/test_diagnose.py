@@ -209,3 +209,28 @@ def test_verify_says_when_checkpointing_raises_the_peak():
     model, x = em.scratch_first(wrap_scratch=True)
     report = remat.verify(model, x)
     assert [(d.kind.value, d.module) for d in report.diagnostics] == [("raises the peak", "0")]
+
+
+@pytest.mark.parametrize("inner", ["recompute", "keep", "selective", "split"])
+def test_a_span_over_blocks_is_not_reported_nested(inner):
+    from remat._spans import apply_span
+
+    model, x = mlp_chain(layers=3)
+    policy = [torch.ops.aten.addmm.default] if inner == "selective" else None
+    apply_span(model, ["0", "1", "2"], inner=inner, policy=policy)
+    report = remat.explain(model, x)
+    assert kinds(report) == []
+    spans = [r for r in report.regions if r.kind == "span"]
+    assert len(spans) == 1 and spans[0].calls == 1
+    assert sum(t.bytes for t in report.tensors) == report.total_bytes
+
+
+def test_a_split_block_is_not_reported_nested():
+    from remat._split import split_block
+
+    model, x = mlp_chain()
+    remat.apply_activation_checkpointing(model)
+    split_block(model, "1")  # its children checkpointed inside it: on purpose
+    report = remat.explain(model, x)
+    assert kinds(report) == []
+    assert {r.label for r in report.regions} >= {"1", "1.up", "1.down"}

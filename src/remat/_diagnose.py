@@ -9,7 +9,7 @@ and names the module and the fix:
   it saves for backward is mostly its own input, which the checkpoint keeps
   anyway (wrapping every child of a block instead of the block: a Linear, a
   norm, an activation saves its input). Fires when it frees at most a tenth of
-  what it would keep.
+  what it would keep; regions inside another one are left to :attr:`Kind.NESTED`.
 * :attr:`Kind.RAISES_PEAK`: the step's peak is higher with checkpointing than
   without, by at least 1 % (measured: :func:`remat.explain` and :func:`remat.verify`
   run both); names the region being recomputed when the peak is reached.
@@ -17,8 +17,8 @@ and names the module and the fix:
   one, Hugging Face's own gradient checkpointing left on under a remat wrapper):
   its forward runs three times a step. Seen where the regions start, and by
   counting: a module whose forward runs at least twice as often in backward as
-  in forward (regions that span several blocks recompute them on purpose and
-  are left out).
+  in forward. Nesting a plan chose is left out: spans over several blocks and
+  split blocks recompute their parts on purpose (Chen et al. 2016).
 * :attr:`Kind.LOSS_HEAD`: the peak falls in the loss head (after the last block)
   and the head's tensors (logits, their softmax and gradient) are at least half
   of it: no checkpoint of the blocks can lower it; chunk the loss.
@@ -32,6 +32,7 @@ import enum
 from torch import nn
 
 from ._probe import Alloc, StepProbe
+from ._split import is_split
 
 #: A region frees "almost nothing" when it frees at most this share of what it would keep.
 FREES_NOTHING_SHARE = 0.1
@@ -113,6 +114,13 @@ def _hf_checkpointing(model: nn.Module | None) -> list[str]:
     ]
 
 
+def _split(model: nn.Module | None) -> list[str]:
+    """Blocks a plan split (checkpointed, and their children inside: nested on purpose)."""
+    if model is None:
+        return []
+    return [name for name, m in model.named_modules() if is_split(m)]
+
+
 def _hf_advice(module: str, hf: list[str]) -> str:
     if not hf:
         return ""
@@ -129,8 +137,8 @@ def frees_nothing(probe: StepProbe) -> list[Diagnostic]:
     """Regions that free at most :data:`FREES_NOTHING_SHARE` of what they would keep."""
     found = []
     for s in probe.region_stats():
-        if s.kind != "checkpoint" or s.dropped_bytes < 0:
-            continue
+        if s.kind != "checkpoint" or s.dropped_bytes < 0 or s.nested:
+            continue  # a nested region's inputs and saves belong to the one around it
         would = s.dropped_bytes + s.saved_input_bytes
         freed = s.dropped_bytes - s.extra_input_bytes
         if would == 0 and s.extra_input_bytes == 0:
@@ -202,9 +210,12 @@ def raises_peak(probe: StepProbe, peak_bytes: int, plain_peak: int | None) -> li
 def nested(probe: StepProbe, model: nn.Module | None) -> list[Diagnostic]:
     """Modules checkpointed twice: found where regions start, and by counting forward calls."""
     hf = _hf_checkpointing(model)
+    split = _split(model)
     found: list[Diagnostic] = []
-    covered: list[str] = []
+    covered: list[str] = [*split]  # a split block's children run three times by design
     for n in probe.nestings.values():
+        if any(_related(n.inner, b) for b in split):
+            continue
         if n.how == "torch.utils.checkpoint inside remat's checkpoint":
             module = n.outer
             text = (

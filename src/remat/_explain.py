@@ -497,7 +497,7 @@ def diagnose(
         >>> import torch, remat
         >>> from remat._explain import diagnose
         >>> lin = torch.nn.Linear(8, 8)
-        >>> fn = lambda x: remat.checkpoint(lin, x).sum()  # keeps its input to save nothing
+        >>> fn = lambda x: remat.checkpoint(lin, x * 2).sum()  # keeps the input lin saves
         >>> [d.kind.value for d in diagnose(fn, torch.randn(4, 8, requires_grad=True))]
         ['frees almost nothing']
     """

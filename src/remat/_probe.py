@@ -166,6 +166,8 @@ class RegionStats:
         input_bytes: the inputs it keeps, allocated during the step.
         extra_input_bytes: of those, the bytes nothing else keeps and no operator
             inside would save: what checkpointing adds.
+        nested: it ran inside another region's forward (a span, a checkpointed
+            block): the enclosing region keeps its inputs, and drops what it keeps.
     """
 
     label: str
@@ -176,6 +178,7 @@ class RegionStats:
     saved_input_bytes: int = 0
     input_bytes: int = 0
     extra_input_bytes: int = 0
+    nested: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,17 +206,21 @@ class PeakPoint:
 class _Region:
     """One call of a region, as the probe sees it (implements :class:`~remat._observe.RegionProbe`)."""
 
-    __slots__ = ("probe", "label", "kind", "t0", "saved", "saved_old", "inputs", "open")
+    __slots__ = ("probe", "label", "kind", "t0", "saved", "saved_old", "inputs", "open", "inside")
 
     def __init__(self, probe: StepProbe, label: str, kind: str) -> None:
         self.probe = probe
         self.label = label
         self.kind = kind
         self.t0 = probe.clock
-        self.saved: dict[int, Alloc] = {}
-        self.saved_old: dict[int, Alloc] = {}
-        self.inputs: dict[int, Alloc] = {}
+        # by record, not by storage key: a dropped tensor dies in forward, and a later
+        # one may get its storage's address
+        self.saved: set[Alloc] = set()
+        self.saved_old: set[Alloc] = set()
+        self.inputs: set[Alloc] = set()
         self.open = True
+        # started inside another region's forward: its inputs go to that region
+        self.inside = bool(probe.active or probe.spans)
 
     def inputs_kept(self) -> None:
         if self.probe.pending is self:
@@ -224,9 +231,9 @@ class _Region:
         if a is None:
             return  # a parameter, or a tensor from before the step
         if a.born >= self.t0:
-            self.saved[a.key] = a
+            self.saved.add(a)
         else:
-            self.saved_old[a.key] = a
+            self.saved_old.add(a)
 
     def forward_end(self) -> None:
         if not self.open:
@@ -527,11 +534,11 @@ class StepProbe:
             return x
         region = self.pending
         if region is not None:
-            region.inputs[a.key] = a
+            region.inputs.add(a)
             a.because(Reason.REGION_INPUT, region.label)
         elif self.span_input and self.spans:
             span = self.spans[-1]
-            span.inputs[a.key] = a
+            span.inputs.add(a)
             a.because(Reason.REGION_INPUT, span.label)
         elif _in_torch_checkpoint():
             a.because(Reason.REGION_INPUT, f"{self.module_label()} (torch.utils.checkpoint)")
@@ -608,16 +615,17 @@ class StepProbe:
             if s is None:
                 s = stats[(r.label, r.kind)] = RegionStats(r.label, r.kind)
             s.calls += 1
+            s.nested = s.nested or r.inside
             if r.kind == "reentrant":
                 s.dropped_bytes = -1
             elif s.dropped_bytes >= 0:
-                s.dropped_bytes += sum(a.nbytes for a in r.saved.values())
-            s.saved_input_bytes += sum(a.nbytes for a in r.saved_old.values())
-            s.input_bytes += sum(a.nbytes for a in r.inputs.values())
+                s.dropped_bytes += sum(a.nbytes for a in r.saved)
+            s.saved_input_bytes += sum(a.nbytes for a in r.saved_old)
+            s.input_bytes += sum(a.nbytes for a in r.inputs)
             s.extra_input_bytes += sum(
                 a.nbytes
-                for k, a in r.inputs.items()
-                if k not in r.saved_old
+                for a in r.inputs
+                if a not in r.saved_old
                 and all(reason is not Reason.NOT_CHECKPOINTED for reason, _ in a.reasons)
             )
         for s in stats.values():
