@@ -138,6 +138,38 @@ def test_offloaded_tensors_are_listed_as_such():
     assert kept and all(m.startswith("0") for m in kept)
 
 
+def test_selective_offload_policy_is_listed_as_offloaded():
+    def policy(ctx, op, *args, **kwargs):
+        if op is torch.ops.aten.addmm.default:
+            return remat.CheckpointPolicy.MUST_CPU_OFFLOAD
+        return remat.CheckpointPolicy.PREFER_RECOMPUTE
+
+    torch.manual_seed(0)
+    block = remat.checkpoint_wrapper(em.MLPBlock(16, 64), policy=policy)
+    x = torch.randn(8, 16, requires_grad=True)
+    report = remat.explain(nn.Sequential(block), x)
+    offloaded = [(t.module, t.shape) for t in report.tensors if t.reason.value == "offloaded"]
+    assert offloaded == [("0.up", (8, 64)), ("0.down", (8, 16))]
+    assert sum(t.bytes for t in report.tensors) == report.total_bytes
+
+
+def test_reentrant_checkpoints_keep_their_inputs():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[em.MLPBlock(32, 256) for _ in range(3)])
+    remat.apply_activation_checkpointing(model, use_reentrant=True)
+    x = torch.randn(32, 32, requires_grad=True)
+    report = remat.explain(model, x)
+    inputs = [(t.module, t.kept_by) for t in report.tensors if t.reason.value == "region input"]
+    assert inputs == [("0", "1"), ("1", "2")]  # block 0's input is x, from before the step
+    assert [(r.label, r.kind, r.dropped_bytes) for r in report.regions] == [
+        ("0", "reentrant", -1),
+        ("1", "reentrant", -1),
+        ("2", "reentrant", -1),
+    ]
+    assert "drops          ?" in str(report)
+    assert report.diagnostics == []
+
+
 def test_torchs_checkpoint_inputs_are_region_inputs():
     torch.manual_seed(0)
     blocks = nn.ModuleList(em.MLPBlock(16, 64) for _ in range(2))

@@ -196,10 +196,11 @@ def raises_peak(probe: StepProbe, peak_bytes: int, plain_peak: int | None) -> li
     regions = sorted({s.label for s in probe.region_stats()})
     names = ", ".join(regions[:4]) + (f" and {len(regions) - 4} more" if len(regions) > 4 else "")
     phase = "backward" if p.backward else "forward"
+    module = p.module if p.module in probe.calls or not regions else regions[0]
     return [
         Diagnostic(
             Kind.RAISES_PEAK,
-            p.module,
+            module,
             f"{head} It falls in {phase} ({where}), where the inputs the checkpoints keep "
             f"({names}) add to what is alive. Leave out the wraps that free nothing, or "
             "checkpoint fewer, larger blocks.",
@@ -276,12 +277,19 @@ def loss_head(probe: StepProbe) -> list[Diagnostic]:
     start = probe.head_start
     p = probe.peak
     t = probe.peak_at
-    if start is None or p.bytes == 0 or t < start or probe.in_block(p.module):
+    labels = probe.head_labels()
+    if start is None or p.bytes == 0 or t < start or p.module not in labels:
         return []
-    if p.backward and probe.head_end is not None and t >= probe.head_end:
+    end = probe.head_end  # backward leaves the head (reaches the blocks) there
+    if p.backward and end is not None and t >= end:
         return []
     head: list[Alloc] = [
-        a for a in probe.order if a.alive_at(t) and a.born >= start and not probe.in_block(a.module)
+        a
+        for a in probe.order
+        if a.alive_at(t)
+        and a.born >= start
+        and a.module in labels
+        and (not a.backward or end is None or a.born < end)
     ]
     head_bytes = sum(a.nbytes for a in head)
     if head_bytes < LOSS_HEAD_SHARE * p.bytes:

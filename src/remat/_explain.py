@@ -38,7 +38,7 @@ from ._modelinfo import (
     rng_state,
     set_rng_state,
 )
-from ._probe import Alloc, Reason, RegionStats, StepProbe
+from ._probe import UNKNOWN, Alloc, Reason, RegionStats, StepProbe
 from ._tree import tensors_in
 
 __all__ = ["Explanation", "KeptTensor", "Peak", "diagnose", "explain"]
@@ -120,7 +120,7 @@ class Peak:
             if self.module != self.recompute_of:
                 where += f" (in {self.module})"
         elif self.phase == "backward":
-            where = f"gradient of {self.module or 'the inputs'}"
+            where = f"gradient of {self.module}" if self.module != UNKNOWN else "no known module"
         else:
             where = self.module
         at = f"{_op(self.op)} at {self.line}" if self.line else _op(self.op)

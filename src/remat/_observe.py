@@ -53,7 +53,8 @@ class Observer(Protocol):
         """Tensors saved while ``on`` are inputs a span keeps (its region started earlier)."""
 
     def kept(self, tensors: list[torch.Tensor], how: str) -> None:
-        """A policy or an offload keeps ``tensors`` (``how``: ``"selective"`` or ``"offloaded"``)."""
+        """Something keeps ``tensors`` for backward: ``how`` is ``"selective"`` (a policy saved
+        them), ``"offloaded"`` (host copies) or ``"input"`` (a wrapper's copies of buffers)."""
 
     def offloaded(self, source: torch.Tensor, host: torch.Tensor) -> None:
         """``host`` holds the saved tensor ``source`` in host memory until backward."""

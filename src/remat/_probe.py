@@ -54,6 +54,9 @@ _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _PLAIN = (torch.Tensor, nn.Parameter)
 _TAG = "remat.explain"  # key of the module/line tag in an autograd node's metadata
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
+#: The label of an allocation in backward that no module's forward made a node for (the
+#: nested backward of a reentrant recompute, gradient accumulation).
+UNKNOWN = "(backward)"
 
 
 class Reason(enum.Enum):
@@ -401,7 +404,9 @@ class StepProbe:
         self.recomputes: dict[str, int] = {}
         self.nestings: dict[tuple[str, str], Nesting] = {}
         self.head_start: int | None = None  # clock when the last block's forward ended
-        self.head_end: int | None = None  # clock of backward's first allocation in a block
+        self.head_end: int | None = None  # clock of backward's first allocation not in the head
+        self.first_call: dict[str, int] = {}  # module -> clock of its first forward call
+        self._head: frozenset[str] | None = None
         self.boundary: Any = None  # the frame that runs the step (see user_line)
         self._exit = ExitStack()
 
@@ -451,6 +456,22 @@ class StepProbe:
     def in_block(self, label: str) -> bool:
         return any(label == b or label.startswith(b + ".") for b in self.blocks)
 
+    def head_labels(self) -> frozenset[str]:
+        """The loss head's labels: modules first called after the last block's forward, the
+        model's own code (the root) and the loss; empty without blocks. Known once forward
+        is over (cached from the first call in backward on)."""
+        if self._head is not None:
+            return self._head
+        start = self.head_start
+        if start is None:
+            head: frozenset[str] = frozenset()
+        else:
+            late = {m for m, c in self.first_call.items() if c >= start}
+            head = frozenset(late | {self.root, "(loss)"})
+        if _graph_task() != -1:
+            self._head = head
+        return head
+
     # -- module hooks ----------------------------------------------------------------
     def _pre(self, module: nn.Module, args: Any) -> None:
         name = self._name(module)
@@ -460,6 +481,7 @@ class StepProbe:
             counts = self.calls[name] = [0, 0]
         counts[1 if backward else 0] += 1
         if not backward:
+            self.first_call.setdefault(name, self.clock)
             if self.spans:
                 self.spanned.add(name)
             if self.active and _is_torch_checkpoint_hook(_top_hooks(False)):
@@ -491,11 +513,11 @@ class StepProbe:
             node: Any = _current_node()
             tag = None if node is None else node.metadata.get(_TAG)
             node_name = None if node is None else node.name()
-            module, line = tag if tag is not None else ("", "")
+            module, line = tag if tag is not None else (UNKNOWN, "")
         if line is None:
             line = user_line(3, self.boundary)
         assert module is not None
-        if backward and self.head_end is None and self.in_block(module):
+        if backward and self.head_end is None and module not in self.head_labels():
             self.head_end = self.clock
         op = str(func)
         for t, st, key in new:
@@ -576,8 +598,11 @@ class StepProbe:
     def kept(self, tensors: list[torch.Tensor], how: str) -> None:
         if _graph_task() != -1:
             return
-        reason = Reason.SELECTIVE if how == "selective" else Reason.OFFLOADED
-        keeper = self.active[-1].label if self.active else self.module_label()
+        if how == "input":  # a wrapper's copies of buffers, for its recompute
+            reason, keeper = Reason.REGION_INPUT, self.module_label()
+        else:
+            reason = Reason.SELECTIVE if how == "selective" else Reason.OFFLOADED
+            keeper = self.active[-1].label if self.active else self.module_label()
         for t in tensors:
             a = self.alloc_of(t)
             if a is not None:
