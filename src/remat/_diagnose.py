@@ -31,7 +31,8 @@ import enum
 
 from torch import nn
 
-from ._probe import Alloc, StepProbe
+from ._probe import StepProbe
+from ._records import Alloc
 from ._split import is_split
 
 #: A region frees "almost nothing" when it frees at most this share of what it would keep.

@@ -38,7 +38,8 @@ from ._modelinfo import (
     rng_state,
     set_rng_state,
 )
-from ._probe import UNKNOWN, Alloc, Reason, RegionStats, StepProbe
+from ._probe import StepProbe
+from ._records import UNKNOWN, Alloc, Reason, RegionStats
 from ._tree import tensors_in
 
 __all__ = ["Explanation", "KeptTensor", "Peak", "diagnose", "explain"]
