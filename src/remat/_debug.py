@@ -32,8 +32,6 @@ def _user_line() -> str:
 class OpLog(TorchDispatchMode):
     """Records ``(operator, user source line)`` for every operator dispatched inside."""
 
-    remat_internal = True  # a checkpoint's recompute detaches below it (remat._nonreentrant)
-
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[tuple[str, str]] = []

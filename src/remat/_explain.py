@@ -98,7 +98,9 @@ class Peak:
     Attributes:
         bytes: the step's peak (bytes alive allocated during the step, as
             :func:`remat.memory.track` counts them; forward, loss and backward).
-        plain_bytes: the same step's peak with checkpointing disabled.
+        plain_bytes: the same step's peak under :func:`remat.disable_checkpointing`
+            (remat's checkpoints and wrappers run plain; ``torch.utils.checkpoint`` calls
+            in the model still checkpoint).
         phase: ``"forward"`` or ``"backward"``.
         module: the module running then (in backward: whose gradient was computed).
         op: the operator that reached it.

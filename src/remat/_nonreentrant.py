@@ -401,13 +401,17 @@ class _DropTask:
 class _RecomputeHook:
     """Pack hook of a recompute: hands the i-th saved tensor to the i-th holder."""
 
-    __slots__ = ("frame", "gid", "count", "bad")
+    __slots__ = ("frame", "gid", "count", "bad", "quiet")
 
     def __init__(self, frame: _Frame, gid: Any) -> None:
         self.frame = frame
         self.gid = gid
         self.count = 0
         self.bad: list[tuple[int, Any, Any]] = []
+        # detach saved tensors below the dispatch modes, unless a context_fn put its own
+        # recompute context around the recompute (remat's selective one is not watching)
+        ctx = frame.recompute_ctx
+        self.quiet = ctx is None or getattr(ctx, "remat_internal", False)
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         frame = self.frame
@@ -415,11 +419,11 @@ class _RecomputeHook:
         self.count = i + 1
         n = len(frame.holders)
         if x.requires_grad:
-            if type(x) is torch.Tensor and _modes_on() and _only_remat_modes():
-                # Not through remat's own dispatch modes (selective checkpointing's, the
-                # memory tracker's): a Python mode costs tens of microseconds an operator,
-                # and a plain tensor's detach is the same without it (an alias: no memory
-                # to count). A user's mode sees it, as under torch's checkpoint.
+            if self.quiet and type(x) is torch.Tensor and _modes_on():
+                # Not through the dispatch modes (selective checkpointing's, a memory
+                # tracker's): a Python mode costs tens of microseconds an operator, and a
+                # plain tensor's detach is the same without it (an alias: no memory to
+                # count). A context_fn's own recompute context sees it, as under torch.
                 with _no_python_dispatch():
                     x = x.detach()
             else:
@@ -476,17 +480,6 @@ class _RecomputeHook:
                 f"during the forward pass ({len(self.bad)} of {n}):\n" + "\n".join(lines) + more,
                 log,
             )
-
-
-_mode_at = torch._C._get_dispatch_stack_at
-
-
-def _only_remat_modes() -> bool:
-    """Whether every dispatch mode on the stack is one of remat's (``remat_internal``)."""
-    for i in range(_modes_on()):
-        if not getattr(_mode_at(i), "remat_internal", False):
-            return False
-    return True
 
 
 def _sums_close(a: torch.Tensor, b: torch.Tensor) -> bool:

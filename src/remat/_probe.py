@@ -115,8 +115,6 @@ class _Region:
 class _Recorder(TorchDispatchMode):
     """Records each new storage an operator returns (see the module docstring)."""
 
-    remat_internal = True
-
     def __init__(self, probe: StepProbe) -> None:
         super().__init__()
         self.probe = probe

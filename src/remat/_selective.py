@@ -435,8 +435,6 @@ class _Store:
 class _SaveMode(TorchDispatchMode):
     """Forward mode: run every operator and keep what the policy says."""
 
-    remat_internal = True  # a checkpoint's recompute detaches below it (remat._nonreentrant)
-
     def __init__(self, policy: Callable[..., Any], store: _Store) -> None:
         super().__init__()
         self.policy = policy
@@ -595,7 +593,7 @@ def _has_tensor(out: Any) -> bool:
 class _ServeMode(TorchDispatchMode):
     """Recompute mode: serve kept outputs, run the rest again."""
 
-    remat_internal = True  # a checkpoint's recompute detaches below it (remat._nonreentrant)
+    remat_internal = True  # the recompute detaches below the modes under it (_nonreentrant)
 
     def __init__(self, policy: Callable[..., Any], store: _Store, allow_mutation: bool) -> None:
         super().__init__()

@@ -347,8 +347,6 @@ def _input_keys(args: Any, keys: set[int]) -> None:
 class _TrackMode(TorchDispatchMode):
     """Feeds one :class:`MemoryTracker` with the outputs of every operator."""
 
-    remat_internal = True  # a checkpoint's recompute detaches below it (remat._nonreentrant)
-
     def __init__(self, tracker: MemoryTracker) -> None:
         super().__init__()
         self.tracker = tracker
