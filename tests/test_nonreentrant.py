@@ -242,14 +242,3 @@ def test_remat_inside_save_on_cpu_hands_its_inputs_to_the_outer_hooks(blocks):
     # one input per region; nothing from inside the regions
     assert packed == [torch.Size([32, 64])] * 3
     h.sum().backward()
-
-
-def test_a_mode_around_backward_without_context_fn_does_not_see_the_detach():
-    # the documented difference: only a context_fn's recompute context sees it
-    x = torch.randn(4, requires_grad=True)
-    y = remat.checkpoint(lambda t: t.exp(), x)
-    log = OpLogger()
-    with log:
-        y.sum().backward()
-    assert "exp.default" in log.ops  # the recompute ran under the mode
-    assert "detach.default" not in log.ops
