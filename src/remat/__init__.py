@@ -17,7 +17,9 @@ from ._config import (
     set_checkpoint_debug_enabled,
     set_checkpoint_early_stop,
 )
+from ._diagnose import Diagnostic
 from ._errors import CheckpointError, PlanError, RematError
+from ._explain import Explanation, explain
 from ._forms import CheckpointImpl
 from ._offload import OffloadStats, offload
 from ._reentrant import CheckpointFunction, check_backward_validity, detach_variable
@@ -41,6 +43,8 @@ __all__ = [
     "CheckpointImpl",
     "CheckpointPolicy",
     "DefaultDeviceType",
+    "Diagnostic",
+    "Explanation",
     "GraphExecGroup",
     "Inputs",
     "OffloadStats",
@@ -60,6 +64,7 @@ __all__ = [
     "create_selective_checkpoint_contexts",
     "detach_variable",
     "disable_checkpointing",
+    "explain",
     "get_device_states",
     "is_checkpointing",
     "is_recomputing",

@@ -4,7 +4,8 @@
 * :func:`loss_of` / :func:`default_loss`: a scalar loss from the model's output;
 * :func:`device_of` / :func:`counted_device`: where the model runs and whose bytes count;
 * :class:`BufferSnapshot`: buffer values put back after steps that are not the user's;
-* :func:`check_grad_enabled`: a clear error under ``no_grad``.
+* :func:`check_grad_enabled`: a clear error under ``no_grad``;
+* :func:`rng_state` / :func:`set_rng_state` and :func:`graph_leaves`: steps that leave no trace.
 
 Nothing here imports the planner or the wrappers: they import this module.
 """
@@ -170,3 +171,34 @@ class BufferSnapshot:
             for store, name, buf, value in self.saved:
                 buf.copy_(value)
                 store[name] = buf  # a step that replaced the buffer gets the original back
+
+
+def rng_state() -> tuple[Any, Any]:
+    """The CPU RNG state and, when CUDA is already in use, every CUDA device's (for
+    :func:`set_rng_state`); CUDA is never initialised here."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def set_rng_state(state: tuple[Any, Any]) -> None:
+    """Put back an RNG state taken by :func:`rng_state`."""
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
+
+
+def graph_leaves(root: torch.Tensor) -> list[torch.Tensor]:
+    """The leaf tensors whose ``.grad`` a backward from ``root`` accumulates into."""
+    leaves: list[torch.Tensor] = []
+    seen: set[Any] = set()
+    todo = [root.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        var = getattr(node, "variable", None)
+        if isinstance(var, torch.Tensor):
+            leaves.append(var)
+        todo.extend(fn for fn, _ in node.next_functions)
+    return leaves

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes as _no_modes
 
-from . import _config
+from . import _config, _observe
 from ._errors import CheckpointError
 from ._state import ForwardState, generators_in
 from ._tree import SLOT, has_nested, replace_tensors, tensors_in
@@ -69,6 +69,19 @@ _TIP = (
     "recompute side by side. Common causes: code that depends on global state changed "
     "between forward and backward (a flag, a counter, a cache), or randomness outside "
     "torch's RNG."
+)
+
+
+#: After the side-by-side table of ``debug=True``: torch's sentence (code matches on it),
+#: then remat's advice.
+_DEBUG_TIP = (
+    "You are seeing this error because you passed `debug=True` to checkpoint and tensors to be "
+    "saved during the original forward differ from those saved during recomputation. Where "
+    "the two lists above first differ is the operator that ran differently, with the source "
+    "line that called it (when they do not differ, a saved value did). Make that code take "
+    "the same path in recompute (read "
+    "remat.is_recomputing() to skip side effects, keep flags and counters unchanged until "
+    "backward, draw random numbers from torch's RNG)."
 )
 
 
@@ -210,8 +223,11 @@ class _Frame:
             return h.recomputed.pop(gid)
         except KeyError:
             overlap = (
-                "Two backward calls inside one GraphExecGroup needed the same saved tensor; "
-                "backward calls that overlap are not allowed inside a group. "
+                # torch's words first (code matches on them), then what remat adds
+                "Performing two backward calls that overlap (i.e. require the same saved "
+                "activation in order to compute gradients) is not allowed while under the "
+                "torch.utils.checkpoint.GraphExecGroup context: run them in separate "
+                "GraphExecGroup blocks, or pass retain_graph=True and leave the group. "
                 if group is not None
                 else ""
             )
@@ -305,8 +321,43 @@ class _Frame:
             text = (
                 f"remat.checkpoint: {message}\nOperators run in forward and in recompute:\n"
                 + report(self.fwd_ops, log.ops)
+                + f"\n{_DEBUG_TIP}"
             )
         return CheckpointError(text)
+
+
+class _ObservedFrame(_Frame):
+    """A frame under :func:`remat.explain`: tells the probe what it drops and when it recomputes.
+
+    A subclass picked once per region, so that the frame of a run without an
+    observer does no per-tensor work for it.
+    """
+
+    __slots__ = ("probe",)
+    probe: _observe.RegionProbe
+
+    def pack(self, x: torch.Tensor) -> _Holder:
+        self.probe.saw(x)
+        return super().pack(x)
+
+    def recompute(self, gid: Any) -> None:
+        self.probe.recompute_start()
+        try:
+            super().recompute(gid)
+        finally:
+            self.probe.recompute_end()
+
+
+def _new_frame(probe: _observe.RegionProbe | None, *args: Any) -> _Frame:
+    """A frame, observed when ``probe`` is given (the inputs it keeps are reported as such)."""
+    if probe is None:
+        return _Frame(*args)
+    try:
+        frame = _ObservedFrame(*args)  # saves the inputs: the probe is told they are inputs
+    finally:
+        probe.inputs_kept()
+    frame.probe = probe
+    return frame
 
 
 def _unique(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
@@ -376,13 +427,17 @@ class _DropTask:
 class _RecomputeHook:
     """Pack hook of a recompute: hands the i-th saved tensor to the i-th holder."""
 
-    __slots__ = ("frame", "gid", "count", "bad")
+    __slots__ = ("frame", "gid", "count", "bad", "quiet")
 
     def __init__(self, frame: _Frame, gid: Any) -> None:
         self.frame = frame
         self.gid = gid
         self.count = 0
         self.bad: list[tuple[int, Any, Any]] = []
+        # detach saved tensors below the dispatch modes, unless a context_fn put its own
+        # recompute context around the recompute (remat's selective one is not watching)
+        ctx = frame.recompute_ctx
+        self.quiet = ctx is None or getattr(ctx, "remat_internal", False)
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         frame = self.frame
@@ -390,10 +445,11 @@ class _RecomputeHook:
         self.count = i + 1
         n = len(frame.holders)
         if x.requires_grad:
-            if type(x) is torch.Tensor and _modes_on():
-                # Not through the dispatch modes of the recompute (selective checkpointing's):
-                # a Python mode costs tens of microseconds an operator, and a plain
-                # tensor's detach is the same without it (an alias: no memory to count)
+            if self.quiet and type(x) is torch.Tensor and _modes_on():
+                # Not through the dispatch modes (selective checkpointing's, a memory
+                # tracker's): a Python mode costs tens of microseconds an operator, and a
+                # plain tensor's detach is the same without it (an alias: no memory to
+                # count). A context_fn's own recompute context sees it, as under torch.
                 with _no_python_dispatch():
                     x = x.detach()
             else:
@@ -505,19 +561,35 @@ def run_nonreentrant(
         fwd_ctx, rec_ctx = _contexts(context_fn)
     if fwd_ctx is not None and hasattr(fwd_ctx, "enclosing"):
         fwd_ctx.enclosing = enclosing_region()
-    frame = _Frame(
-        fn, args, kwargs, nested, tensors, state, rec_ctx, determinism_check, early_stop, debug
+    obs = _observe.current()
+    probe = None if obs is None else obs.region_start("checkpoint", fn)
+    frame = _new_frame(
+        probe,
+        fn,
+        args,
+        kwargs,
+        nested,
+        tensors,
+        state,
+        rec_ctx,
+        determinism_check,
+        early_stop,
+        debug,
     )
     log = None
     if debug:
         from ._debug import OpLog
 
         log = OpLog()
-    with _UnderHooks(frame.pack, frame.unpack):
-        if fwd_ctx is None and log is None:
-            out = fn(*args, **kwargs)
-        else:
-            out = _run_in(fwd_ctx, log, fn, args, kwargs)
+    try:
+        with _UnderHooks(frame.pack, frame.unpack):
+            if fwd_ctx is None and log is None:
+                out = fn(*args, **kwargs)
+            else:
+                out = _run_in(fwd_ctx, log, fn, args, kwargs)
+    finally:
+        if probe is not None:
+            probe.forward_end()
     if log is not None:
         frame.fwd_ops = log.ops
     frame.forward_completed = True
@@ -610,7 +682,15 @@ class SavedInputs:
     def add(self, t: torch.Tensor) -> int:
         """Keep ``t``; return its index in :meth:`values`."""
         if _make_saved is not None:
-            self.saved.append(_make_saved(t, is_output=False))
+            obs = _observe.current()
+            if obs is None:
+                self.saved.append(_make_saved(t, is_output=False))
+            else:
+                obs.keeping_input(True)
+                try:
+                    self.saved.append(_make_saved(t, is_output=False))
+                finally:
+                    obs.keeping_input(False)
         else:
             self.saved.append(t)
             self.versions.append(t._version)
@@ -648,8 +728,10 @@ class PiecewiseRegion:
     def __init__(
         self, replay: Callable[[], Any], *, determinism_check: str = "default", early_stop: bool
     ) -> None:
-        self.frame = _Frame(
-            replay, (), {}, False, [], None, None, determinism_check, early_stop, False
+        obs = _observe.current()
+        probe = None if obs is None else obs.region_start("span", replay)
+        self.frame = _new_frame(
+            probe, replay, (), {}, False, [], None, None, determinism_check, early_stop, False
         )
 
     def piece(self) -> AbstractContextManager[None]:
@@ -659,6 +741,8 @@ class PiecewiseRegion:
     def complete(self) -> None:
         """Mark the forward finished: from now on a recompute must save what it saved."""
         self.frame.forward_completed = True
+        if isinstance(self.frame, _ObservedFrame):
+            self.frame.probe.forward_end()
 
 
 _NOT_RUN = object()

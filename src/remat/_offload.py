@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from . import _observe
 from ._bytes import element_bytes
 
 _PREFETCH_DEPTH = 2
@@ -388,6 +389,13 @@ class HostStash:
             self.pool.give(tk.buf, tk.ops, tk.last_copy)
             tk.buf = tk.host = tk.back = None
 
+    def host_tensor(self, tk: _Ticket | torch.Tensor) -> torch.Tensor | None:
+        """The host tensor that holds a stashed tensor (the tensor itself when kept as it is);
+        ``None`` once released."""
+        if isinstance(tk, torch.Tensor):
+            return tk
+        return tk.buf
+
     def _prefetch_before(self, tk: _Ticket) -> None:
         # Backward visits tensors in reverse order of forward: fetch the ones stashed just before.
         i = tk.pos
@@ -515,6 +523,38 @@ class _OffloadHooks:
         return self.stash.get(tk)
 
 
+class _ObservedOffloadHooks(_OffloadHooks):
+    """:class:`_OffloadHooks` under :func:`remat.explain`: tells the observer what went to the
+    host (picked once per :func:`offload` block: no work for it without an observer)."""
+
+    def __init__(
+        self,
+        stash: HostStash,
+        min_bytes: int,
+        stats: OffloadStats,
+        solo: bool = False,
+        *,
+        observer: Any,
+    ) -> None:
+        super().__init__(stash, min_bytes, stats, solo)
+        self.observer = observer
+
+    def pack(self, t: torch.Tensor) -> Any:
+        packed = super().pack(t)
+        if isinstance(packed, _Stashed):
+            host = self.stash.host_tensor(packed.ticket)
+            if host is not None:
+                self.observer.offloaded(t, host)
+        return packed
+
+
+def _hooks(stash: HostStash, min_bytes: int, stats: OffloadStats, solo: bool) -> _OffloadHooks:
+    obs = _observe.current()
+    if obs is None:
+        return _OffloadHooks(stash, min_bytes, stats, solo)
+    return _ObservedOffloadHooks(stash, min_bytes, stats, solo, observer=obs)
+
+
 @contextlib.contextmanager
 def offload(*, pin_memory: bool = True, min_bytes: int = 1024) -> Iterator[OffloadStats]:
     """Keep the tensors autograd saves inside in host memory until backward.
@@ -554,7 +594,7 @@ def offload(*, pin_memory: bool = True, min_bytes: int = 1024) -> Iterator[Offlo
         )
     pin = bool(pin_memory) and torch.cuda.is_available()
     stats = OffloadStats()
-    hooks = _OffloadHooks(HostStash(pin), min_bytes, stats)
+    hooks = _hooks(HostStash(pin), min_bytes, stats, False)
     with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
         yield stats
 
@@ -575,6 +615,6 @@ def offload_shared(*, min_bytes: int = 0, prefetch: bool = True) -> Iterator[Off
     for them, and asking for them prefetches nothing.
     """
     stats = OffloadStats()
-    hooks = _OffloadHooks(shared_stash(), min_bytes, stats, solo=not prefetch)
+    hooks = _hooks(shared_stash(), min_bytes, stats, not prefetch)
     with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
         yield stats

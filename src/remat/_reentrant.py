@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from . import _config
+from . import _config, _observe
 from ._state import ForwardState, generators_in
 
 _BACKWARD_INPUTS_MSG = (
@@ -340,4 +340,17 @@ def run_reentrant(
     if not params and not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
         anchor = torch.empty(0, requires_grad=True)
         anchor._remat_anchor = True  # type: ignore[attr-defined]  # see _reaches_leaf
-    return _ReentrantCheckpoint.apply(fn, preserve_rng_state, anchor, len(params), *args, *params)
+    obs = _observe.current()
+    if obs is None:
+        return _ReentrantCheckpoint.apply(
+            fn, preserve_rng_state, anchor, len(params), *args, *params
+        )
+    # observed (remat.explain): what apply saves when it returns is the region's inputs
+    probe = obs.region_start("reentrant", fn)
+    try:
+        return _ReentrantCheckpoint.apply(
+            fn, preserve_rng_state, anchor, len(params), *args, *params
+        )
+    finally:
+        probe.inputs_kept()
+        probe.forward_end()

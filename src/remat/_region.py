@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes as _no_modes
 
-from . import _config
+from . import _config, _observe
 from ._errors import CheckpointError
 
 
@@ -156,6 +156,9 @@ class Region:
                         snapshot.append((m, name, b, value))
         if snapshot:
             self.snapshot = snapshot
+            obs = _observe.current()
+            if obs is not None:  # remat.explain: the copies are what the recompute starts from
+                obs.kept([v for _, _, _, v in snapshot], "input")
         self.watched = _Watched(args, kwargs, copied)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -64,6 +64,7 @@ import torch.utils.checkpoint as _tuc
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _disable_current_modes as _no_modes
 
+from . import _observe
 from ._bytes import element_bytes
 from ._errors import CheckpointError
 from ._offload import HostStash, shared_stash
@@ -549,6 +550,33 @@ class _SaveMode(TorchDispatchMode):
             self.saved.pop(ptr, None)
 
 
+class _ObservedSaveMode(_SaveMode):
+    """The forward mode under :func:`remat.explain`: tells the observer what the policy keeps.
+
+    Picked once per region (:func:`create_selective_checkpoint_contexts`), so that
+    the mode of a run without an observer does no work for it.
+    """
+
+    def __init__(self, policy: Callable[..., Any], store: _Store, observer: Any) -> None:
+        super().__init__(policy, store)
+        self.observer = observer
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        entries = self.store.entries.get(func)
+        n = 0 if entries is None else len(entries)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        entries = self.store.entries.get(func)
+        if entries is not None and len(entries) > n:
+            entry = entries[-1]
+            if isinstance(entry, _Saved):
+                self.observer.kept(entry.tensors(), "selective")
+            elif isinstance(entry, _Offloaded):
+                stash = entry.stash
+                kept = [stash.host_tensor(tk) for tk, t in zip(entry.tickets, entry.is_tensor) if t]
+                self.observer.kept([k for k in kept if k is not None], "offloaded")
+        return out
+
+
 @functools.cache
 def _writes_input(func: Any) -> bool:
     """Whether ``func`` writes into one of its arguments (in-place and ``out=`` ops)."""
@@ -566,6 +594,8 @@ def _has_tensor(out: Any) -> bool:
 
 class _ServeMode(TorchDispatchMode):
     """Recompute mode: serve kept outputs, run the rest again."""
+
+    remat_internal = True  # the recompute detaches below the modes under it (_nonreentrant)
 
     def __init__(self, policy: Callable[..., Any], store: _Store, allow_mutation: bool) -> None:
         super().__init__()
@@ -697,4 +727,6 @@ def create_selective_checkpoint_contexts(
             torch_policy, allow_cache_entry_mutation
         )
     store = _Store()
-    return _SaveMode(policy, store), _ServeMode(policy, store, allow_cache_entry_mutation)
+    obs = _observe.current()
+    save = _SaveMode(policy, store) if obs is None else _ObservedSaveMode(policy, store, obs)
+    return save, _ServeMode(policy, store, allow_cache_entry_mutation)

@@ -5,13 +5,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 
 from . import memory
 from ._config import disable_checkpointing
-from ._modelinfo import default_loss
+from ._diagnose import Diagnostic, diagnose_step
+from ._modelinfo import default_blocks, default_loss, graph_leaves, rng_state, set_rng_state
+from ._probe import StepProbe
 from ._tree import replace_tensors, tensors_in
 
 
@@ -41,6 +44,10 @@ class Report:
         loss_checkpointed / loss_plain: the two losses.
         peak_bytes_checkpointed / peak_bytes_plain: peak tensor bytes of each step
             (see :mod:`remat.memory`).
+        diagnostics: boundary warnings about the model's checkpoints (a checkpoint that
+            frees almost nothing, checkpointing that raises the peak, checkpoints nested
+            twice, a loss head that dominates the peak), as :func:`remat.explain` gives.
+            They do not make ``ok`` false: gradients can be right and memory not saved.
     """
 
     differences: list[Difference]
@@ -49,6 +56,7 @@ class Report:
     loss_plain: float
     peak_bytes_checkpointed: int
     peak_bytes_plain: int
+    diagnostics: list[Diagnostic] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -63,24 +71,13 @@ class Report:
             f"  peak memory checkpointed {self.peak_bytes_checkpointed:,} B   "
             f"plain {self.peak_bytes_plain:,} B"
         )
+        warnings = "".join(f"\n{d}" for d in self.diagnostics)
         if self.ok:
-            return head
+            return head + warnings
         w = max(len(d.name) for d in self.differences)
         rows = [f"  {'kind':<7}{'name':<{w}}  max |diff|"]
         rows += [f"  {d.kind:<7}{d.name:<{w}}  {d.max_abs:.3e}" for d in self.differences]
-        return head + "\n" + "\n".join(rows)
-
-
-def _rng_state() -> tuple[Any, Any]:
-    # only a CUDA that is already in use: verify must not initialise CUDA itself
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng(state: tuple[Any, Any]) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state_all(state[1])
+        return head + "\n" + "\n".join(rows) + warnings
 
 
 def _diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float | None:
@@ -108,23 +105,6 @@ def _diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float | None:
 
 def _same_loss(a: float, b: float) -> bool:
     return a == b or (math.isnan(a) and math.isnan(b))
-
-
-def _graph_leaves(root: torch.Tensor) -> list[torch.Tensor]:
-    """The leaf tensors whose ``.grad`` a backward from ``root`` accumulates into."""
-    leaves: list[torch.Tensor] = []
-    seen: set[Any] = set()
-    todo = [root.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        var = getattr(node, "variable", None)
-        if isinstance(var, torch.Tensor):
-            leaves.append(var)
-        todo.extend(fn for fn, _ in node.next_functions)
-    return leaves
 
 
 def _as_leaves(args: Any, kwargs: Any) -> tuple[Any, Any]:
@@ -155,18 +135,21 @@ def _step(
     kwargs: Any,
     loss_fn: Callable[[Any], Any] | None,
     inputs: dict[str, torch.Tensor],
+    probe: StepProbe | None = None,
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor], float, int]:
     for p in model.parameters():
         p.grad = None
     for x in inputs.values():
         x.grad = None
-    with memory.track() as t:
+    with memory.track() as t, probe if probe is not None else nullcontext():
         out = model(*args, **kwargs)
+        if probe is not None:
+            probe.stage("(loss)")
         loss = loss_fn(out) if loss_fn is not None else default_loss(out)
         # leaves outside the model and the inputs (a loss_fn's own parameter):
         # their .grad is put back after the backward, not compared
         known = {id(p) for _, p in model.named_parameters()} | {id(x) for x in inputs.values()}
-        others = [x for x in _graph_leaves(loss) if id(x) not in known] if loss.grad_fn else []
+        others = [x for x in graph_leaves(loss) if id(x) not in known] if loss.grad_fn else []
         others_grad = [x.grad for x in others]
         try:
             loss.backward()
@@ -213,7 +196,9 @@ def verify(
     requires grad (named ``input[i]``, numbered over the tensors in ``args``
     then ``kwargs``), and every buffer after the step (BatchNorm statistics,
     counters). Peak memory is measured
-    with :func:`remat.memory.track` around forward, loss and backward.
+    with :func:`remat.memory.track` around forward, loss and backward. The
+    checkpointed step is also watched for boundary problems (``diagnostics``,
+    printed with the report; see :func:`remat.explain`).
 
     Args:
         model: a model whose blocks use :func:`remat.checkpoint`, wrappers or a plan.
@@ -244,7 +229,7 @@ def verify(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"remat.verify: model must be an nn.Module, got {type(model).__name__}.")
-    rng = _rng_state()
+    rng = rng_state()
     args, kwargs = _as_leaves(args, kwargs)
     inputs = _input_leaves(args, kwargs)
     old_grads = {n: p.grad for n, p in [*model.named_parameters(), *inputs.items()]}
@@ -260,15 +245,16 @@ def verify(
                 if buf is not None:
                     buf.copy_(old_values[n])
 
+    probe = StepProbe(model, default_blocks(model), f"<{type(model).__name__}>")
     try:
-        _set_rng(rng)
-        g1, b1, l1, p1 = _step(model, args, kwargs, loss_fn, inputs)
+        set_rng_state(rng)
+        g1, b1, l1, p1 = _step(model, args, kwargs, loss_fn, inputs, probe)
         restore_buffers()
-        _set_rng(rng)
+        set_rng_state(rng)
         with disable_checkpointing():
             g2, b2, l2, p2 = _step(model, args, kwargs, loss_fn, inputs)
     finally:
-        _set_rng(rng)
+        set_rng_state(rng)
         for n, p in [*model.named_parameters(), *inputs.items()]:
             p.grad = old_grads[n]
         restore_buffers()
@@ -284,4 +270,8 @@ def verify(
     if not _same_loss(l1, l2):
         d = float("inf") if math.isnan(l1) or math.isnan(l2) else abs(l1 - l2)
         diffs.append(Difference("loss", "loss", d))
-    return Report(diffs, len(g1) + len(b1) + 1, l1, l2, p1, p2)
+    try:
+        diagnostics = diagnose_step(probe, model, peak_bytes=p1, plain_peak=p2)
+    finally:
+        probe.close()
+    return Report(diffs, len(g1) + len(b1) + 1, l1, l2, p1, p2, diagnostics)

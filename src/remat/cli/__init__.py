@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from . import bench
+from . import bench, explain
 
 VALUE_OPTIONS = ("--budget",)
 """Options whose value may start with ``-`` (a negative budget): argparse would take
@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     from .. import __version__
 
     parser = argparse.ArgumentParser(
-        prog="remat", description="Activation checkpointing for PyTorch: benchmark and plan."
+        prog="remat",
+        description="Activation checkpointing for PyTorch: benchmark, plan and explain.",
     )
     parser.add_argument(
         "--version",
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     bench.add_parser(sub)
+    explain.add_parser(sub)
     try:
         plan = importlib.import_module(".plan", __name__)
     except ImportError:  # the planner's command is not part of this build

@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import importlib
 import importlib.util
-import os
 import sys
 from typing import Any
 
@@ -33,6 +32,9 @@ from ..planner.measure import profile
 from ..planner.render import fmt_bytes as _fmt
 from ..planner.solve import plan
 from ..planner.stepmodel import parse_budget
+from ._factory import builtin_model as _builtin
+from ._factory import factory_hint as _hint
+from ._factory import load_factory as _load
 from ._usage import RunError, UsageError, check_output_path, describe, write_text
 
 
@@ -113,118 +115,6 @@ OPTIMIZERS: dict[str, Any] = {
     "adam": lambda params: torch.optim.Adam(params),
     "adamw": lambda params: torch.optim.AdamW(params),
 }
-
-
-def _import(mod_name: str) -> Any:
-    """The module named ``mod_name``, or loaded from the file ``mod_name`` (``.py``)."""
-    is_file = mod_name.endswith(".py") and os.path.isfile(mod_name)
-    if is_file or os.sep in mod_name or "/" in mod_name:
-        path = os.path.abspath(mod_name)
-        if not os.path.isfile(path):
-            raise UsageError(
-                f"MODULE:FACTORY: no file {mod_name!r}; pass an existing .py file or a module name."
-            )
-        name = os.path.splitext(os.path.basename(path))[0]
-        if name in sys.modules:  # do not shadow a module already imported under that name
-            name = f"_remat_plan_{name}"
-        spec = importlib.util.spec_from_file_location(name, path)
-        if spec is None or spec.loader is None:
-            raise UsageError(
-                f"MODULE:FACTORY: cannot load {mod_name!r} as Python; pass a .py file."
-            )
-        mod = importlib.util.module_from_spec(spec)
-        if os.path.dirname(path) not in sys.path:  # as `python file.py`: its neighbours import
-            sys.path.insert(0, os.path.dirname(path))
-        sys.modules[name] = mod  # dataclasses and pickling look a module up there
-        try:
-            spec.loader.exec_module(mod)
-        except Exception as e:
-            del sys.modules[name]
-            raise RunError(f"importing {mod_name} raised {describe(e)}") from None
-        return mod
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        return importlib.import_module(mod_name)
-    except ImportError as e:
-        raise UsageError(
-            f"cannot import module {mod_name!r}: {e}. Pass a module importable from the "
-            "current directory or PYTHONPATH, or a file: path/to/models.py:FACTORY."
-        ) from None
-    except Exception as e:  # the module itself is broken: a SyntaxError, an error at import
-        raise RunError(f"importing {mod_name} raised {describe(e)}") from None
-
-
-def _load(target: str) -> tuple[torch.nn.Module, tuple[Any, ...], bool]:
-    mod_name, _, attr = target.rpartition(":")  # the last colon, so a Windows path (C:...) works
-    if not mod_name or not attr:
-        raise UsageError(
-            f"expected MODULE:FACTORY (e.g. mypkg.models:make or models.py:make), got {target!r}."
-        )
-    mod = _import(mod_name)
-    factory = getattr(mod, attr, None)
-    if factory is None:
-        raise UsageError(f"module {mod_name!r} has no attribute {attr!r}.")
-    if not callable(factory):
-        raise UsageError(
-            f"{target} is not callable (got {type(factory).__name__}); pass a FACTORY, a "
-            "function that returns (model, example_args)."
-        )
-    try:
-        result = factory()
-    except TypeError as e:
-        if e.__traceback__ is not None and e.__traceback__.tb_next is None:
-            # raised by the call itself (a required argument): a usage mistake
-            raise UsageError(
-                f"{target}() cannot be called without arguments ({e}); pass a FACTORY that "
-                "takes none and returns (model, example_args)."
-            ) from None
-        raise RunError(f"{target}() raised {describe(e)}") from None
-    except Exception as e:
-        raise RunError(f"{target}() raised {describe(e)}") from None
-    if not (isinstance(result, tuple) and len(result) == 2):
-        got = type(result).__name__
-        if isinstance(result, tuple):
-            got = f"a tuple of {len(result)} items"
-        raise UsageError(
-            f"{target}() must return a pair (model, example_args), got {got}; "
-            "return (model, (input,))."
-        )
-    model, example = result
-    if not isinstance(model, torch.nn.Module):
-        raise UsageError(
-            f"{target}() must return (model, example_args) with model an nn.Module, got a "
-            f"{type(model).__name__} first; return (model, (input,))."
-        )
-    if isinstance(example, tuple):
-        return model, example, True
-    return model, (example,), False
-
-
-def _builtin(name: str | None) -> tuple[torch.nn.Module, tuple[Any, ...], str]:
-    """The default-size built-in model of ``remat bench``, its example input and a label."""
-    from ..bench.models import MODELS, ModelConfig, build, example_input
-
-    kind = name or "gpt"
-    if kind not in MODELS:
-        raise UsageError(f"--model: unknown model {kind!r}; choose one of: {', '.join(MODELS)}.")
-    cfg = ModelConfig(model=kind)
-    heads = f", {cfg.heads} heads" if kind == "gpt" else ""
-    label = (
-        f"built-in {kind} ({cfg.layers} layers, d={cfg.d_model}{heads}, seq {cfg.seq}, "
-        f"batch {cfg.batch})"
-    )
-    return build(cfg), (example_input(cfg),), label
-
-
-def _hint(target: str, example_was_tuple: bool) -> str:
-    """Why a model may have failed on its example: a list of args is its only argument."""
-    if example_was_tuple:
-        return ""
-    return (
-        f" ({target}() returned example_args that is not a tuple: it was passed as the "
-        "model's only argument; return a tuple for several)"
-    )
 
 
 def _check(args: argparse.Namespace) -> None:

@@ -1,0 +1,110 @@
+"""``remat explain [MODULE:FACTORY]``: what one training step keeps for backward, and why.
+
+Runs :func:`remat.explain` on the model a factory returns (see
+:mod:`remat.cli._factory`), or on the built-in model of ``remat bench``, and
+prints the table: every tensor alive at the end of forward with its module,
+operator, shape, dtype, bytes, source line and reason, totals per reason and
+per module, where the step's peak falls, and the boundary warnings.
+``--wrap`` checkpoints the model's repeated blocks first
+(:func:`remat.apply_activation_checkpointing`), to see what that changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from .._explain import explain
+from .._wrap import apply_activation_checkpointing
+from ._factory import builtin_model, factory_hint, load_factory
+from ._usage import RunError, UsageError, check_output_path, describe, write_text
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "explain",
+        help="list every tensor one training step keeps for backward, and why",
+        description=(
+            "Run one training step (forward, loss, backward) of a model and list every tensor "
+            "alive at the end of forward: module, operator, shape, dtype, bytes, source line, "
+            "and why it is kept (not checkpointed, a checkpoint's input, a selective save, "
+            "offloaded). Says where the step's peak falls and warns about checkpoints that do "
+            "not help. FACTORY is a function returning (model, example_args); without "
+            "MODULE:FACTORY the built-in model of remat bench is explained."
+        ),
+    )
+    p.add_argument(
+        "target",
+        metavar="MODULE:FACTORY",
+        nargs="?",
+        default=None,
+        help="e.g. mypkg.models:make_model, or a file: path/to/models.py:make_model "
+        "(default: the built-in model, see --model)",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="without MODULE:FACTORY: the built-in model, gpt or mlp (default gpt)",
+    )
+    p.add_argument(
+        "--wrap",
+        action="store_true",
+        help="checkpoint the model's repeated blocks first (remat.apply_activation_checkpointing)",
+    )
+    p.add_argument(
+        "--all", action="store_true", help="list every tensor (default: the largest, see --top)"
+    )
+    p.add_argument(
+        "--top", type=int, default=25, metavar="N", help="list the N largest tensors (default 25)"
+    )
+    p.add_argument("--json", metavar="FILE", default=None, help="also write the report as JSON")
+    p.set_defaults(run=main)
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.top < 0:
+        raise UsageError(f"--top {args.top}: pass a number of rows >= 0 (or --all).")
+    if args.json is not None:
+        check_output_path("--json", args.json)
+    if args.target is not None and args.model is not None:
+        raise UsageError(
+            f"--model {args.model} picks a built-in model: drop it, or drop {args.target}."
+        )
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``remat explain``: exit code 0 done, 2 a usage mistake, 1 the factory or model failed."""
+    try:
+        _check(args)
+        if args.target is None:
+            model, example, label = builtin_model(args.model)
+            was_tuple = True
+            print(f"remat explain: {label}", flush=True)
+        else:
+            model, example, was_tuple = load_factory(args.target)
+        if args.wrap:
+            try:
+                wrapped = apply_activation_checkpointing(model)
+            except Exception as e:
+                raise RunError(f"--wrap: {describe(e)}") from None
+            print(f"remat explain: checkpointed {len(wrapped)} blocks", flush=True)
+        try:
+            report = explain(model, *example)
+        except Exception as e:
+            if str(e).startswith("remat."):
+                raise RunError(str(e)) from None  # remat's own message says what to change
+            raise RunError(
+                f"running {args.target or 'the built-in'}'s model raised {describe(e)}"
+                + factory_hint(args.target or "", was_tuple)
+            ) from None
+        print(report.table(top=None if args.all else args.top))
+        if args.json is not None:
+            write_text("--json", args.json, report.to_json())
+    except UsageError as e:
+        print(f"remat explain: error: {e}", file=sys.stderr)
+        return 2
+    except RunError as e:
+        print(f"remat explain: error: {e}", file=sys.stderr)
+        return 1
+    return 0
