@@ -26,7 +26,8 @@ import time
 import torch
 
 from remat.planner.solve import smallest_chain, solve
-from remat.planner.stepmodel import BlockCosts, predicted_cost, predicted_peak
+from remat.planner.stepmodel import predicted_cost, predicted_peak
+from remat.planner.types import BlockCosts
 
 DECS = ("keep", "recompute", "selective", "split")
 

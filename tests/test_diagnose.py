@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import warnings
 
-import explainmodels as em
 import pytest
 import torch
 import torch.utils.checkpoint as tuc
 from torch import nn
 
 import remat
+import tests.support.explain_models as em
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import functools
 import json
 
-import explainmodels as em
 import pytest
 import torch
 import torch.utils.checkpoint as tuc
 from torch import nn
 
 import remat
+import tests.support.explain_models as em
 from remat import _observe
 
 pytestmark = pytest.mark.usefixtures("one_thread")

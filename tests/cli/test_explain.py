@@ -11,7 +11,7 @@ from remat.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-MODELS = os.path.join(os.path.dirname(__file__), "explainmodels.py")
+MODELS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "support", "explain_models.py")
 FIELDS = {"module", "op", "shape", "dtype", "bytes", "line", "reason"}
 
 

@@ -19,13 +19,12 @@ from remat.planner.chain import (
 from remat.planner.perblock import solve_dp
 from remat.planner.solve import smallest_chain, solve, solve_chain
 from remat.planner.stepmodel import (
-    SPAN_INNER,
-    BlockCosts,
     block_segment,
     predicted_cost,
     predicted_peak,
     span_segment,
 )
+from remat.planner.types import SPAN_INNER, BlockCosts
 from tests.support.chains import layouts, random_chain
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -14,7 +14,8 @@ from torch import nn
 import remat
 from remat.planner.perblock import brute_force, solve_dp, solve_milp
 from remat.planner.solve import smallest_chain, smallest_peak, solve
-from remat.planner.stepmodel import BlockCosts, parse_budget, predicted_cost, predicted_peak
+from remat.planner.stepmodel import parse_budget, predicted_cost, predicted_peak
+from remat.planner.types import BlockCosts
 from tests.support.chains import DECS, random_chain
 from tests.support.models import ResMLP
 from tests.support.plans import make_model, per_block_floor

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from remat.planner.stepmodel import SPAN_INNER, BlockCosts
+from remat.planner.types import SPAN_INNER, BlockCosts
 
 DECS = ("keep", "recompute", "selective")
 

@@ -1,0 +1,182 @@
+"""The per-block terms of the step model, derived from the measured timelines, with the
+pair-effect corrections (see :mod:`remat.planner.stepmodel` for the terms)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from ..types import NEVER, BlockCosts, Decision, Measurements, Timeline
+
+KEEP, RECOMPUTE, SELECTIVE, OFFLOAD, SPLIT = (
+    Decision.KEEP,
+    Decision.RECOMPUTE,
+    Decision.SELECTIVE,
+    Decision.OFFLOAD,
+    Decision.SPLIT,
+)
+
+#: The lines whose steps see which block inputs die when forward returns: the others
+#: (checkpoints) hold every block input into backward.
+HELD_LINES = (KEEP, OFFLOAD)
+
+
+
+def derive_blocks(m: Measurements) -> list[BlockCosts]:
+    """The per-block terms of the model from the raw measurements of a profile, pair
+    effects and the blocks' limits included (see the module docstring for the terms)."""
+    out = _terms(m.names, m.lines, m.costs, m.noise, m.lines[KEEP].input_bytes, m.param_bytes)
+    for b, f in zip(out, m.freed):
+        # The next block (kept) frees this one's output as it runs, which the selective
+        # cache may hold instead (a block ending in a saved matmul): counted as held, so a
+        # selective block is never predicted low (over by ``f`` where nothing frees it).
+        if f and SELECTIVE in b.retained:
+            b.retained[SELECTIVE] += f
+            if b.bwd_excess[SELECTIVE] > NEVER:  # a backward window was seen
+                b.bwd_excess[SELECTIVE] -= f  # its own backward: as measured
+    _held_to_end(out, m.held_to_end)
+    for b, f, h in zip(out, m.offload_inputs, m.held_before):
+        b.offload_input = 0 if b.name in m.mutating else f
+        if h and OFFLOAD in b.retained:
+            # The offload line freed this block's input as it ran; after a kept or selective
+            # block that saved it, it lives on: counted as held (high by ``h`` after a block
+            # that does not hold it, never low).
+            b.retained[OFFLOAD] += h
+    for b in out:
+        # A block that changes its input in place cannot be recomputed from that input (the
+        # region keeps it; autograd raises when backward reads it): it is kept, alone. A
+        # block with fewer than two children with parameters cannot split.
+        mutating = b.name in m.mutating
+        dropped = [d for d in m.decisions if d != KEEP] if mutating else [SPLIT]
+        if mutating or b.name not in m.splittable:
+            for terms in (b.retained, b.fwd_excess, b.bwd_excess, b.cost, b.noise):
+                for d in dropped:
+                    terms.pop(d, None)
+    equalize_costs(
+        out, [(sig, b.name in m.mutating) for sig, b in zip(m.signatures, out)]
+    )
+    return out
+
+
+def _terms(
+    names: Sequence[str],
+    lines: dict[Decision, Timeline],
+    costs: dict[Decision, dict[str, float]],
+    noise: dict[Decision, dict[str, float]],
+    input_bytes: Sequence[int],
+    param_bytes: Sequence[int],
+) -> list[BlockCosts]:
+    """The per-block terms from one measured timeline per uniform decision."""
+    decisions = list(lines)
+    keep = lines[KEEP]
+    n = len(names)
+    out = []
+    # bytes each uniform step saved up to this block: alive in forward, and in backward
+    saved_f = dict.fromkeys(decisions, 0)
+    saved = dict.fromkeys(decisions, 0)
+    exited = keep.top_pre_peak is not None  # an autocast region ended before backward
+    exit_freed = {d: t.exit_freed or [0] * n for d, t in lines.items()}
+    for i, name in enumerate(names):
+        retained, retained_f = {}, {}
+        for d, t in lines.items():
+            nxt = t.fwd_start[i + 1] if i + 1 < n else t.top_start
+            retained_f[d] = nxt - t.fwd_start[i]
+            retained[d] = retained_f[d] - exit_freed[d][i]
+        bwd_excess = {}
+        kb = keep.bwd_start[i]
+        pre_exit = {}
+        for d, t in lines.items():
+            saved[d] += retained[KEEP] - retained[d]
+            saved_f[d] += retained_f[KEEP] - retained_f[d]
+            start = t.bwd_start[i]
+            if kb is None or start is None:  # no backward window: never the binding term
+                bwd_excess[d] = NEVER
+                continue
+            # Above the start the model assumes (keep's start less what was saved), not the
+            # start measured under d: a selective cache may hold more then (the last block's
+            # output, freed after the loss under keep), and a recomputed block whose last op
+            # saved its output (ReLU) starts lower; both are the block's own and hold for any
+            # plan, so the peak relative to the assumed start is exact.
+            assumed = kb - saved[d]
+            bwd_excess[d] = t.bwd_peak[i] - assumed
+            if i == n - 1:  # the same for the head, the loss and their backward
+                bwd_excess[d] = max(bwd_excess[d], t.top_peak - assumed)
+        if i == n - 1 and exited:  # the head and the loss before the region's end
+            pre_exit = {
+                d: t.top_pre_peak + saved_f[d]
+                for d, t in lines.items()
+                if t.top_pre_peak is not None
+            }
+        out.append(
+            BlockCosts(
+                name=name,
+                retained=retained,
+                fwd_excess={d: t.fwd_peak[i] - t.fwd_start[i] for d, t in lines.items()},
+                bwd_excess=bwd_excess,
+                cost={d: max(0.0, costs[d][name] - costs[KEEP][name]) for d in decisions},
+                fwd_start=keep.fwd_start[i],
+                bwd_start=kb if kb is not None else 0,
+                input_bytes=input_bytes[i],
+                param_bytes=param_bytes[i],
+                bwd_grads=keep.bwd_grads[i],
+                noise={d: noise[d][name] for d in decisions if name in noise.get(d, {})},
+                exit_freed=(
+                    {d: exit_freed[d][i] for d in decisions}
+                    if exited and any(exit_freed[d][i] for d in decisions)
+                    else {}
+                ),
+                pre_exit=pre_exit,
+            )
+        )
+    return out
+
+
+def _held_to_end(costs: list[BlockCosts], held: dict[Decision, list[int]]) -> None:
+    """Block inputs that live to the end of forward and then die, measured per line in
+    ``held``: the model's code keeps them (a list of hidden states) and the block keeps none
+    of them on the device (under ``keep``: it saves none, or only autocast's copy; under
+    ``offload``: its saved copy is in host memory), while a checkpoint of the block holds
+    them into its backward. They count as kept in forward and not after it under that
+    decision (``exit_freed``, in place), so every backward term from the block's on has
+    them exactly when the plan holds them. The uniform lines' derived backward terms had
+    them (or not) for every block before: moved out of them here."""
+    n = len(costs)
+    lines = {d: held.get(d, [0] * n) for d in HELD_LINES}
+    total: dict[Decision, int] = {}
+    for i, b in enumerate(costs):
+        mine = {d: v[i] for d, v in lines.items() if v[i] and d in b.retained}
+        b.held_to_end = mine.get(KEEP, 0)
+        if mine:
+            x = dict(b.exit_freed) or dict.fromkeys(b.retained, 0)
+            for d, h in mine.items():
+                b.retained[d] -= h
+                x[d] = x.get(d, 0) + h
+            b.exit_freed = x
+        for d in b.bwd_excess:  # what keep's line freed and d's line held, from block 0 on
+            total[d] = total.get(d, 0) + mine.get(KEEP, 0) - mine.get(d, 0)
+            if total[d] and b.bwd_excess[d] > NEVER:
+                b.bwd_excess[d] -= total[d]
+
+
+def equalize_costs(blocks: list[BlockCosts], signatures: Sequence[Any]) -> None:
+    """Give blocks with the same signature (same class, parameter and buffer shapes, inputs)
+    the same cost and noise per decision: the median over the group, in place.
+
+    Identical layers cost the same; their timed costs differ only by noise, and
+    without this a solver would pick among them by that noise, a different
+    plan on every run.
+    """
+    groups: dict[Any, list[BlockCosts]] = {}
+    for b, sig in zip(blocks, signatures):
+        groups.setdefault(sig, []).append(b)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        for d in members[0].cost:
+            cost = statistics.median(b.cost[d] for b in members)
+            noise = statistics.median(b.noise.get(d, 0.0) for b in members)
+            for b in members:
+                b.cost[d] = cost
+                if d in b.noise:
+                    b.noise[d] = noise

@@ -1,0 +1,293 @@
+"""The peak of a training step under a plan, where it falls, the plan's cost, and what each
+block saves and adds; the views of the terms the solvers plan over (see
+:mod:`remat.planner.stepmodel`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from ..types import (
+    NEVER,
+    BlockCosts,
+    Decision,
+    Phase,
+    ProfileData,
+    Span,
+    SpanLike,
+    StepPeak,
+    Where,
+)
+from .segments import input_offload_cost, layout
+
+KEEP, RECOMPUTE, SELECTIVE, OFFLOAD, SPLIT = (
+    Decision.KEEP,
+    Decision.RECOMPUTE,
+    Decision.SELECTIVE,
+    Decision.OFFLOAD,
+    Decision.SPLIT,
+)
+
+
+
+def has_exit(blocks: Sequence[BlockCosts]) -> bool:
+    """Whether some block keeps bytes in forward that it does not keep into backward (an
+    autocast region ended before backward, or inputs the model keeps to forward's end):
+    the step model then needs its two running sums."""
+    return any(b.exit_freed or b.pre_exit for b in blocks)
+
+
+def exit_view(blocks: Sequence[BlockCosts], safe: bool) -> list[BlockCosts]:
+    """Terms in one running sum, for the solvers, where an autocast region ends before
+    backward (:func:`has_exit`).
+
+    What a block keeps in forward is ``retained + exit_freed`` and in backward
+    ``retained``, so the exact forward terms (:func:`activation_terms`) subtract
+    ``s_F``, what the blocks before saved in forward, and the backward terms ``s_B``:
+    ``s_B - s_F = sum_{j} (exit_freed[j][d_j] - exit_freed[j][keep])``: the cached casts of
+    the checkpointed blocks, less the inputs kept to forward's end that they hold. The
+    dynamic program has one running sum, ``s_B``; its forward terms are here either
+    ``safe`` (raised by ``sum_{j<i} max_d (exit_freed[j][d] - exit_freed[j][keep])``, never
+    below the exact term, above it by the casts of the kept blocks before) or optimistic
+    (``s_B`` as if it were ``s_F``: never above the exact term). :func:`remat.plan` solves
+    the optimistic terms first: a plan they choose that meets the budget under the exact
+    terms is optimal; otherwise it solves the safe ones.
+    """
+    out = []
+    over = 0
+    for b in blocks:
+        nb = dataclasses.replace(b, fwd_start=b.fwd_start + (over if safe else 0))
+        if b.exit_freed:
+            keep = b.exit_freed.get(KEEP, 0)
+            over += max(0, max(b.exit_freed.values()) - keep)
+        if b.pre_exit:  # the last block: its forward-phase term as a backward one
+            excess = dict(b.bwd_excess)
+            for d, v in b.pre_exit.items():
+                if d in excess:
+                    excess[d] = max(excess[d], v - b.bwd_start + (over if safe else 0))
+            nb.bwd_excess = excess
+        out.append(nb)
+    return out
+
+
+def checkpointed_view(
+    blocks: Sequence[BlockCosts], top: int, shared: int
+) -> tuple[list[BlockCosts], int]:
+    """The terms of plans with at least one checkpoint, when the model's forward makes
+    ``shared`` bytes of tensors it passes to several blocks (an attention mask, rotary
+    tables) that die when the forward returns under ``keep``.
+
+    A checkpointed block keeps them as inputs until its backward, so they are alive in the
+    backward of every block from the last down to the first checkpointed one. The uniform
+    lines measured them inside the checkpointed decisions' backward terms; here they are
+    in every backward term (``bwd_start``) and in ``top`` instead: exact for checkpointed
+    blocks, high by ``shared`` for kept blocks before the first checkpoint (whose backward
+    comes after it has been freed).
+    """
+    out = []
+    for b in blocks:
+        excess = dict(b.bwd_excess)
+        for d in excess:
+            if d.holds_inputs and excess[d] > NEVER:
+                excess[d] -= shared
+        out.append(dataclasses.replace(b, bwd_start=b.bwd_start + shared, bwd_excess=excess))
+    return out, top + shared
+
+
+@dataclasses.dataclass(frozen=True)
+class Terms:
+    """The blocks' terms and ``top`` a solver plans over, and whether they are exact for
+    every plan or (``views``) a bound and its optimistic counterpart to try first."""
+
+    blocks: list[BlockCosts]
+    top: int
+    optimistic: list[BlockCosts] | None = None
+
+
+def solver_terms(prof: ProfileData, checkpointed: bool = True) -> Terms:
+    """The terms the solvers plan over: with ``checkpointed`` (plans that checkpoint
+    something) those of :func:`checkpointed_view`; where an autocast region ends before
+    backward the safe single-sum terms, and the optimistic ones to try first
+    (:func:`exit_view`)."""
+    blocks, top = list(prof.blocks), prof.top
+    if checkpointed and prof.shared_bytes:
+        blocks, top = checkpointed_view(blocks, top, prof.shared_bytes)
+    if has_exit(blocks):
+        return Terms(exit_view(blocks, safe=True), top, exit_view(blocks, safe=False))
+    return Terms(blocks, top)
+
+
+def plan_terms(
+    prof: ProfileData, decisions: Sequence[str], spans: Sequence[SpanLike] = ()
+) -> tuple[Sequence[BlockCosts], int]:
+    """The blocks and ``top`` the model uses for a plan (see :func:`checkpointed_view`)."""
+    if prof.shared_bytes and (spans or any(d != KEEP for d in decisions)):
+        return checkpointed_view(prof.blocks, prof.top, prof.shared_bytes)
+    return prof.blocks, prof.top
+
+
+
+_BEFORE = Where(Phase.BEFORE_BLOCKS)
+_AFTER = Where(Phase.AFTER_BLOCKS)
+
+
+def _exact_terms(
+    blocks: Sequence[BlockCosts], top: int, decisions: Sequence[str], pre: int
+) -> tuple[int, Where]:
+    """:func:`activation_terms` of a plan without spans, in two running sums (forward and
+    backward: see :func:`exit_view`)."""
+    saved_f = saved_b = 0
+    peak, where = pre, _BEFORE
+    for b, d in zip(blocks, map(Decision, decisions)):
+        fwd = b.fwd_start - saved_f + b.fwd_excess[d]
+        if fwd > peak:
+            peak, where = fwd, Where(Phase.FORWARD, b.name)
+        x = b.exit_freed
+        saved_f += b.retained[KEEP] + x.get(KEEP, 0) - b.retained[d] - x.get(d, 0)
+        saved_b += b.retained[KEEP] - b.retained[d]
+        bwd = b.bwd_start - saved_b + b.bwd_excess[d]
+        if bwd > peak:
+            peak, where = bwd, Where(Phase.BACKWARD, b.name)
+        if d in b.pre_exit and b.pre_exit[d] - saved_f > peak:
+            peak, where = b.pre_exit[d] - saved_f, _AFTER
+    if top - saved_b > peak:
+        peak, where = top - saved_b, _AFTER
+    return peak, where
+
+
+def activation_terms(
+    blocks: Sequence[BlockCosts],
+    top: int,
+    decisions: Sequence[str],
+    pre: int = 0,
+    spans: Sequence[SpanLike] = (),
+) -> tuple[int, Where]:
+    """The activation peak and where it falls.
+
+    Where an autocast region ends before backward (:func:`has_exit`), a plan without
+    spans is exact in two running sums, and a plan with spans is bounded by the safe
+    single-sum terms of :func:`exit_view` (never low; high by the cached casts of kept
+    blocks in forward terms).
+    """
+    if has_exit(blocks):
+        if not spans:
+            return _exact_terms(blocks, top, decisions, pre)
+        blocks = exit_view(blocks, safe=True)
+    saved = 0
+    peak, where = pre, _BEFORE
+    for seg in layout(blocks, decisions, spans):
+        if seg.peak - saved > peak:
+            peak, where = seg.peak - saved, seg.where
+        saved += seg.saved
+    if top - saved > peak:
+        peak, where = top - saved, _AFTER
+    return peak, where
+
+
+def predicted_peak(
+    blocks: Sequence[BlockCosts],
+    top: int,
+    decisions: Sequence[str],
+    pre: int = 0,
+    spans: Sequence[SpanLike] = (),
+) -> int:
+    """Activation peak (bytes above the step's start) the model predicts for a plan."""
+    return activation_terms(blocks, top, decisions, pre, spans)[0]
+
+
+def predicted_cost(
+    blocks: Sequence[BlockCosts], decisions: Sequence[str], spans: Sequence[SpanLike] = ()
+) -> float:
+    """Added time (or FLOPs) the model predicts for a plan."""
+    if not spans:
+        return float(sum(b.cost[Decision(d)] for b, d in zip(blocks, decisions)))
+    return float(sum(seg.cost for seg in layout(blocks, decisions, spans)))
+
+
+def step_peak(
+    prof: ProfileData, decisions: Sequence[str], spans: Sequence[SpanLike] = ()
+) -> StepPeak:
+    """The peak of one step of the default loop under a plan (first and later steps).
+
+    ``spans`` as in :func:`layout`.
+    """
+    static = prof.static_bytes
+    kept = prof.grad_bytes if prof.grads_kept else 0
+    state = prof.optimizer_state_bytes
+    blocks, top = plan_terms(prof, decisions, spans)
+    act, where = activation_terms(blocks, top, decisions, prof.pre, spans)
+    grads_at = _grads_at(prof, where)
+    base = {"static": static, "gradients": kept, "optimizer": state}
+    best = StepPeak(
+        static + kept + state + act,
+        where,
+        {**base, "gradients": kept + grads_at, "activations": act - grads_at},
+    )
+    if prof.optimizer is None:
+        return best
+    end_act = prof.end_bytes - prof.end_grads
+    grads = kept + prof.end_grads
+    first = prof.optimizer_first_bytes
+    later = prof.optimizer_later_bytes
+    for c in (
+        StepPeak(
+            static + kept + prof.end_bytes + first,
+            Where(Phase.OPTIMIZER_FIRST),
+            {
+                "static": static,
+                "gradients": grads,
+                "optimizer": min(state, first),
+                "activations": end_act + first - min(state, first),
+            },
+        ),
+        StepPeak(
+            static + kept + state + prof.end_bytes + later,
+            Where(Phase.OPTIMIZER_LATER),
+            {**base, "gradients": grads, "activations": end_act + later},
+        ),
+    ):
+        if c.bytes > best.bytes:  # a tie goes to what a plan can move
+            best = c
+    return best
+
+
+def _grads_at(prof: ProfileData, where: Where) -> int:
+    """Gradient bytes alive at the end of the window ``where`` (created in this step)."""
+    if where.phase is Phase.BACKWARD:
+        for b in prof.blocks:
+            if b.name == where.block:
+                return int(b.bwd_grads)
+    if where.phase is Phase.AFTER_BLOCKS:
+        return int(prof.top_grads)
+    return 0
+
+
+def attribution(
+    blocks: Sequence[BlockCosts], decisions: Sequence[str], spans: Sequence[SpanLike] = ()
+) -> tuple[dict[str, int], dict[str, float]]:
+    """Per block, the bytes its decision saves at the peak and the time (or FLOPs) it adds,
+    spans shared out among their blocks; they add up to the plan's saving and cost."""
+    ds = [Decision(d) for d in decisions]
+    saved = {b.name: b.retained[KEEP] - b.retained[d] for b, d in zip(blocks, ds)}
+    added = {b.name: float(b.cost[d]) for b, d in zip(blocks, ds)}
+    for sp in map(Span.of, spans):
+        a, z = sp.first, sp.last
+        # the span's recompute runs its blocks once more: all of them when they are plain
+        # or selective inside it, all but the last when each is checkpointed inside it
+        whole = ds[a] in (KEEP, SELECTIVE)
+        for j in range(a, z + 1 if whole else z):
+            added[blocks[j].name] += float(blocks[j].cost.get(RECOMPUTE, 0.0))
+        for j in range(a, z):  # block outputs inside a span are not kept either
+            saved[blocks[j].name] += blocks[j].retained[ds[j]]
+        if whole:  # the last block leaves its output only
+            r = blocks[z].retained
+            saved[blocks[z].name] = r[KEEP] - r[RECOMPUTE]
+        if sp.offloaded:  # the copies of the input, which is not on the device either
+            added[blocks[a].name] += input_offload_cost(blocks, a)
+            saved[blocks[a].name] += blocks[a].offload_input
+    return saved, added
+
+
+def unchecked_peak(prof: ProfileData) -> StepPeak:
+    """The step's peak with every block kept."""
+    return step_peak(prof, [KEEP] * len(prof.blocks))
