@@ -31,6 +31,10 @@ pieces, with other code between them (a span over several blocks, in
 :mod:`remat._spans`): the hooks are pushed for each piece only, and the
 recompute calls a ``replay`` that reruns the pieces and replays their state
 itself. :class:`SavedInputs` keeps tensors the way a frame keeps its inputs.
+
+Under :func:`remat.explain` (an observer in :mod:`remat._observe`) a region's frame is
+an :class:`_ObservedFrame`, which reports what it drops and when it recomputes; the
+choice is made once per region, so a plain run does no per-tensor work for it.
 """
 
 from __future__ import annotations
@@ -79,9 +83,8 @@ _DEBUG_TIP = (
     "saved during the original forward differ from those saved during recomputation. Where "
     "the two lists above first differ is the operator that ran differently, with the source "
     "line that called it (when they do not differ, a saved value did). Make that code take "
-    "the same path in recompute (read "
-    "remat.is_recomputing() to skip side effects, keep flags and counters unchanged until "
-    "backward, draw random numbers from torch's RNG)."
+    "the same path in recompute (read remat.is_recomputing() to skip side effects, keep "
+    "flags and counters unchanged until backward, draw random numbers from torch's RNG)."
 )
 
 
@@ -563,19 +566,24 @@ def run_nonreentrant(
         fwd_ctx.enclosing = enclosing_region()
     obs = _observe.current()
     probe = None if obs is None else obs.region_start("checkpoint", fn)
-    frame = _new_frame(
-        probe,
-        fn,
-        args,
-        kwargs,
-        nested,
-        tensors,
-        state,
-        rec_ctx,
-        determinism_check,
-        early_stop,
-        debug,
-    )
+    try:
+        frame = _new_frame(
+            probe,
+            fn,
+            args,
+            kwargs,
+            nested,
+            tensors,
+            state,
+            rec_ctx,
+            determinism_check,
+            early_stop,
+            debug,
+        )
+    except BaseException:
+        if probe is not None:
+            probe.forward_end()
+        raise
     log = None
     if debug:
         from ._debug import OpLog
