@@ -15,8 +15,8 @@ BUDGETS = (0.7, 0.5, 0.3)
 
 
 class PredictionOff(AssertionError):
-    """A plan's predicted peak is more than 1 % from the measured one (raised after every
-    other check passed, so that a known inaccuracy can be marked alone)."""
+    """A plan's predicted peak is not the measured one (raised after every other check
+    passed, so that a known inaccuracy can be marked alone)."""
 
 
 def loss_of(out: Any) -> torch.Tensor:
@@ -42,8 +42,8 @@ def check_default_plans(
     each of :data:`BUDGETS`. A budget the every-block checkpoint of those blocks meets
     (measured; ``reached`` pins which) is planned; every plan made is met by a measured
     step and its gradients equal the unchecked step's bitwise; then :class:`PredictionOff`
-    unless every prediction is within 1 % of the measured peak. Returns ``{share:
-    (predicted, measured)}`` of the plans."""
+    unless every prediction is the measured peak, to the byte (the step model is exact on
+    CPU for these chains). Returns ``{share: (predicted, measured)}`` of the plans."""
     ref = grads(copy.deepcopy(model), args, kwargs)
     prof = remat.profile(model, *args, timer="flops", **kwargs)
     assert [b.name for b in prof.blocks] == blocks
@@ -73,7 +73,7 @@ def check_default_plans(
         assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref)), share
         out[share] = (plan.predicted_peak_bytes, measured)
     assert met == reached, f"the every-block checkpoint ({every_peak} B) meets {sorted(met)}"
-    off = {s: pm for s, pm in out.items() if abs(pm[0] - pm[1]) > 0.01 * pm[1]}
+    off = {s: pm for s, pm in out.items() if pm[0] != pm[1]}
     if off:
-        raise PredictionOff(f"(predicted, measured) peaks more than 1 % apart: {off}")
+        raise PredictionOff(f"(predicted, measured) peaks differ: {off}")
     return out

@@ -23,7 +23,6 @@ def test_unet_planned_across_down_mid_and_up_stacks():
     check_default_plans(UNet(), torch.randn(2, 3, 32, 32), blocks=blocks, reached={0.7, 0.5})
 
 
-@pytest.mark.slow
 def test_resnet_planned_across_all_stages():
     torch.manual_seed(0)
     blocks = [f"layer{s}.{i}" for s in range(1, 5) for i in range(2)]
@@ -31,14 +30,12 @@ def test_resnet_planned_across_all_stages():
     check_default_plans(model, torch.randn(2, 3, 128, 128), blocks=blocks, reached={0.7})
 
 
-@pytest.mark.slow
 def test_convnext_planned_across_all_stages():
     torch.manual_seed(0)
     blocks = [f"stages.{s}.blocks.{i}" for s, n in enumerate((2, 2, 6, 2)) for i in range(n)]
     check_default_plans(ConvNeXt(), torch.randn(2, 3, 128, 128), blocks=blocks, reached={0.7, 0.5})
 
 
-@pytest.mark.slow
 def test_mobilenet_planned_over_its_inverted_residuals():
     torch.manual_seed(0)
     blocks = [f"features.{i}" for i in range(1, 6)]
