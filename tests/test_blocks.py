@@ -120,6 +120,14 @@ class MoE(nn.Module):
             for _ in range(experts)
         )
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        choice = self.router(h).argmax(-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            out = torch.where((choice == e)[..., None], expert(h), out)
+        return x + out
+
 
 class MoELM(nn.Module):
     def __init__(self) -> None:
@@ -127,6 +135,32 @@ class MoELM(nn.Module):
         self.emb = nn.Embedding(10, 8)
         self.layers = nn.ModuleList(MoE() for _ in range(3))
         self.head = nn.Linear(8, 10)
+
+
+class DenseBlock(nn.ModuleDict):
+    """torchvision's DenseNet block: a ModuleDict with a forward of its own."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__({f"denselayer{i}": Block() for i in range(n)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.values():
+            x = layer(x)
+        return x
+
+
+class DenseNet(nn.Module):
+    """Stem layers, two stages with a transition (another class) between them, all in one
+    ``features`` Sequential."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential()
+        self.features.add_module("conv0", nn.Linear(8, 8))
+        self.features.add_module("denseblock1", DenseBlock(2))
+        self.features.add_module("transition1", nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)))
+        self.features.add_module("denseblock2", DenseBlock(3))
+        self.classifier = nn.Linear(8, 2)
 
 
 class Shared(nn.Module):
@@ -167,6 +201,10 @@ CASES = [
     # a chain's single layers beside its blocks (first and last conv) are steps of it
     (lambda: nn.Sequential(nn.Conv1d(2, 4, 1), Block(4), Block(4), nn.Conv1d(4, 2, 1)),
      names("", 4)),
+    # stages (a ModuleDict with a forward) give their layers; the transition between them
+    # (one module of another kind) and the stem layer are steps of the chain
+    (DenseNet, ["features.conv0", *names("features.denseblock1.denselayer", 2),
+                "features.transition1", *names("features.denseblock2.denselayer", 3)]),
     # bottleneck blocks, ResNet-50's
     (lambda: ResNet(bottleneck=True), [f"layer{s}.{i}" for s in range(1, 5) for i in range(2)]),
 ]  # fmt: skip

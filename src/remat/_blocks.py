@@ -23,7 +23,7 @@ without submodules: a first or last conv, a norm) are in its stack too, as befor
 The blocks are found by walking the tree from the model down:
 
 * the members of a stack are blocks, and the walk does not enter them;
-* except when the members are *stages*: each holds a *run* (a container, itself or a child,
+* except when the members of one kind are *stages*: each holds a *run* (a container, itself or a child,
   whose children are all of one class that holds submodules), the runs hold at least as
   many parameters as the member's other children that hold submodules, no single layer
   of the member has weights other than an embedding's or a norm's (a router or a
@@ -31,8 +31,8 @@ The blocks are found by walking the tree from the model down:
   experts), and together the runs have more blocks than there are members. Then the
   runs' children are the blocks (checked the same way in turn: a stage of stages) and the
   rest of each stage is walked;
-* an ``nn.ModuleList`` / ``nn.ModuleDict`` member cannot be called, so its children are the
-  blocks (``for attn, ff in self.layers``);
+* a member without ``forward`` (an ``nn.ModuleList`` / ``nn.ModuleDict``) cannot be called,
+  so its children are the blocks (``for attn, ff in self.layers``);
 * every child that is not a member of a stack is walked the same way.
 
 So ResNet's ``layer1`` ... ``layer4`` give their BasicBlocks (the first of a stage, with its
@@ -63,7 +63,6 @@ from typing import Any
 from torch import nn
 
 _PLAIN = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
-_UNCALLABLE = (nn.ModuleList, nn.ModuleDict)
 
 
 def default_blocks(model: nn.Module) -> list[str]:
@@ -117,15 +116,20 @@ def _visit(
     out: list[str],
     seen: set[int],
 ) -> None:
-    """Emit a stack's members (or enter them: stages, uncallable lists); walk the rest."""
-    stages = _are_stages([c for i, (_, c) in enumerate(kids) if i in members])
+    """Emit a stack's members (or enter them: stages, lists without ``forward``); walk the
+    rest. Whether members are stages is decided for each kind, all its members alike."""
+    groups: dict[Any, list[nn.Module]] = {}
+    for i in sorted(members):
+        if _holds_modules(kids[i][1]):
+            groups.setdefault(_kind(kids[i][1]), []).append(kids[i][1])
+    stages = {id(m) for group in groups.values() if _are_stages(group) for m in group}
     for i, (name, child) in enumerate(kids):
         full = prefix + name
         if i not in members:
             _walk(child, full + ".", out, seen)
-        elif isinstance(child, _UNCALLABLE):
+        elif not _callable(child):
             _forced(child, full + ".", out, seen)
-        elif stages:
+        elif id(child) in stages:
             _enter_stage(child, full + ".", out, seen)
         elif id(child) not in seen:
             seen.add(id(child))
@@ -146,6 +150,11 @@ def _enter_stage(stage: nn.Module, prefix: str, out: list[str], seen: set[int]) 
                 _forced(child, prefix + name + ".", out, seen)
         else:
             _walk(child, prefix + name + ".", out, seen)
+
+
+def _callable(m: nn.Module) -> bool:
+    """Whether the module has a ``forward`` (a ``ModuleList`` / ``ModuleDict`` has not)."""
+    return type(m).forward is not nn.Module.forward
 
 
 def _holds_modules(m: nn.Module) -> bool:
@@ -208,7 +217,7 @@ def _are_stages(members: Sequence[nn.Module]) -> bool:
     as many parameters as its other children that hold modules, has no single layer that
     computes (:func:`_computes`), and the runs together have more blocks than there are
     members."""
-    callable_ = [m for m in members if not isinstance(m, _UNCALLABLE)]
+    callable_ = [m for m in members if _callable(m)]
     if not callable_:
         return False
     blocks = 0
