@@ -1,6 +1,8 @@
 """What remat needs to know about a user's model, shared by the wrappers, ``verify`` and the planner.
 
-* :func:`default_blocks` / :func:`candidates`: the model's repeated blocks (one walk);
+* :func:`candidates`: the candidate blocks, by ``check_fn`` or by the default rule
+  (:func:`remat._blocks.default_blocks`); :func:`in_call_order`: them in the order one
+  forward calls them;
 * :func:`loss_of` / :func:`default_loss`: a scalar loss from the model's output;
 * :func:`device_of` / :func:`counted_device`: where the model runs and whose bytes count;
 * :class:`BufferSnapshot`: buffer values put back after steps that are not the user's;
@@ -12,49 +14,15 @@ Nothing here imports the planner or the wrappers: they import this module.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from ._blocks import default_blocks
 from ._tree import tensors_in
-
-
-def default_blocks(model: nn.Module) -> list[str]:
-    """Names of the model's repeated blocks: the children of its ``ModuleList``/``Sequential``
-    with the most children of one class (then one whose children are all of that class, then
-    the most children; then the first).
-
-    The repeated blocks, not merely the longest container: in a ``ModuleList`` of four
-    ``Sequential(conv, bn, relu, conv, bn)`` blocks the four blocks are the candidates, not
-    the five layers of the first one.
-
-    Example:
-        >>> import torch
-        >>> default_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()))
-        ['0', '1']
-        >>> def layer():  # five children, three of one class
-        ...     L, R = torch.nn.Linear, torch.nn.ReLU
-        ...     return torch.nn.Sequential(L(2, 2), R(), L(2, 2), R(), L(2, 2))
-        >>> default_blocks(torch.nn.ModuleList([layer() for _ in range(4)]))
-        ['0', '1', '2', '3']
-    """
-    best: tuple[tuple[int, bool, int], str] | None = None
-    for name, m in model.named_modules():
-        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 0:
-            kinds: dict[type, int] = {}
-            for child in m.children():
-                kinds[type(child)] = kinds.get(type(child), 0) + 1
-            most = max(kinds.values(), default=0)
-            score = (most, most == len(m), len(m))
-            if best is None or score > best[0]:
-                best = (score, name)
-    if best is None:
-        return []
-    prefix = best[1] + "." if best[1] else ""
-    container = model.get_submodule(best[1]) if best[1] else model
-    return [prefix + child for child, _ in container.named_children()]
 
 
 def check_module(model: Any, where: str, arg: str = "model") -> None:
@@ -69,7 +37,10 @@ def check_module(model: Any, where: str, arg: str = "model") -> None:
 def candidates(
     model: nn.Module, check_fn: Callable[[str, nn.Module], bool] | None, where: str = "remat.profile"
 ) -> list[str]:
-    """Names of the candidate blocks (default: children of the largest ModuleList/Sequential)."""
+    """Names of the candidate blocks: those ``check_fn(name, module)`` selects (the outermost
+    ones), else the repeated blocks of every stack (:func:`remat._blocks.default_blocks`), in
+    the order of the model's tree (:func:`remat._blocks.in_call_order` puts them in the
+    order forward calls them)."""
     if check_fn is None:
         names = default_blocks(model)
     else:
@@ -80,10 +51,73 @@ def candidates(
     if not names:
         raise ValueError(
             f"{where}: found no candidate blocks in {type(model).__name__} (it has no "
-            "nn.ModuleList/nn.Sequential of blocks). Pass check_fn=lambda name, module: ... that "
-            "selects the repeated blocks of the model (for example its transformer layers)."
+            "repeated submodules, nor an nn.ModuleList/nn.Sequential). Pass check_fn=lambda "
+            "name, module: ... that selects the blocks to plan (for example its transformer "
+            "layers)."
         )
     return names
+
+
+def in_call_order(
+    model: nn.Module,
+    names: Sequence[str],
+    args: tuple[Any, ...] = (),
+    kwargs: Mapping[str, Any] | None = None,
+) -> list[str]:
+    """``names`` in the order one forward of ``model`` first calls them; those it does not
+    call follow, in their given order.
+
+    The planner models the blocks as a chain run in this order; the order of the module
+    tree is not always it (a U-Net registered up stacks before down stacks, a model that
+    builds its decoder before its encoder). The forward runs once without gradients, with
+    a forward pre-hook on each block; buffers (BatchNorm statistics), the RNG state and
+    inputs the forward changes in place are put back, so it is not one of the user's steps.
+
+    Example:
+        >>> import torch
+        >>> class Net(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.b = torch.nn.Linear(2, 2)
+        ...         self.a = torch.nn.Linear(2, 2)
+        ...     def forward(self, x):
+        ...         return self.b(self.a(x))
+        >>> in_call_order(Net(), ["b", "a"], (torch.randn(1, 2),))
+        ['a', 'b']
+    """
+    calls = _FirstCalls()
+    handles = [model.get_submodule(n).register_forward_pre_hook(calls.hook(n)) for n in names]
+    found: list[torch.Tensor] = []
+    tensors_in((args, kwargs), found)
+    copies = [(t, t._version, t.detach().clone()) for t in found if not t.requires_grad]
+    devices = sorted({t.device.index or 0 for t in [*found, *model.parameters()] if t.is_cuda})
+    buffers = BufferSnapshot(model)
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            model(*args, **(kwargs or {}))
+    finally:
+        for h in handles:
+            h.remove()
+        buffers.restore()
+        with torch.no_grad():
+            for t, version, copy in copies:
+                if t._version != version:
+                    t.copy_(copy)
+    return [*calls.order, *(n for n in names if n not in calls.order)]
+
+
+class _FirstCalls:
+    """Forward pre-hooks that record the order of the blocks' first calls."""
+
+    def __init__(self) -> None:
+        self.order: list[str] = []
+
+    def hook(self, name: str) -> Callable[[nn.Module, Any], None]:
+        return functools.partial(self.called, name)
+
+    def called(self, name: str, module: nn.Module, args: Any) -> None:
+        if name not in self.order:
+            self.order.append(name)
 
 
 def default_loss(out: Any, where: str = "remat.verify") -> torch.Tensor:

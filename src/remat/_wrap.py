@@ -27,9 +27,9 @@ import torch
 from torch import nn
 
 from . import _config
+from ._blocks import default_blocks
 from ._checkpoint import checkpoint
 from ._forms import InSet, auto_wrap_targets, name_filter, wrapper_options
-from ._modelinfo import default_blocks
 from ._reentrant import run_reentrant
 from ._region import Region
 
@@ -481,8 +481,9 @@ def apply_activation_checkpointing(
         check_fn: ``check_fn(name, module)`` selects the submodules to wrap;
             torch's one-argument ``check_fn(module)`` works too (told apart by
             its number of required positional parameters). Default: the
-            children of the model's largest ``nn.ModuleList`` /
-            ``nn.Sequential`` (its repeated blocks). Submodules of a selected
+            repeated blocks of every stack and stage of the model, the
+            blocks :func:`remat.profile` plans (README: "Which blocks are
+            planned"). Submodules of a selected
             module, or of one wrapped before (an earlier call), are not wrapped
             (torch wraps them as well, nesting checkpoints; the gradients are
             the same).

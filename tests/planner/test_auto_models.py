@@ -170,7 +170,8 @@ def test_gradient_accumulation_loop_keeps_gradients(budget):
 def test_blocks_in_a_sequential_inside_a_moduledict(budget):
     torch.manual_seed(0)
     p = check_auto(Towers(), torch.randn(128, 32), torch.randn(128, 32), budget=budget)
-    assert all(n.startswith("towers.text.") for n in p.decisions)
+    # the repeated blocks of both towers (issue #22; the old default took the text tower's)
+    assert len(p.decisions) == 8
 
 
 def test_blocks_of_both_towers_picked_with_check_fn():

@@ -5,7 +5,13 @@ Rendered last from typed values (:mod:`remat.planner.types`); nothing parses it 
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
+
 from .types import Phase, PlanData, StepPeak
+
+#: Below this share of the unchecked step's activations in the blocks, the table warns.
+LOW_SHARE = 0.5
 
 
 def fmt_bytes(n: int) -> str:
@@ -80,7 +86,63 @@ def plan_table(plan: PlanData) -> str:
         lines.append(f"peak in {plan.peak_at}: {parts}")
     if not plan.peak_movable:
         lines.append(lever(plan.peak_phase, plan.peak_at))
+    if plan.block_share is not None:
+        lines.append(
+            f"blocks: {name_ranges(list(plan.decisions))} (they keep "
+            f"{100 * plan.block_share:.0f}% of the unchecked step's activations)"
+        )
+        note = coverage_note(plan.block_share)
+        if note is not None:
+            lines.append(f"warning: {note}")
     return "\n".join(lines)
+
+
+def coverage_note(share: float) -> str | None:
+    """The table's warning when the blocks keep less than :data:`LOW_SHARE` of the unchecked
+    step's activations (``share``: :func:`~remat.planner.stepmodel.block_share`), else
+    ``None``: how much they cover and how to pick others.
+
+    Example:
+        >>> coverage_note(0.9) is None, coverage_note(0.2)[:44]
+        (True, 'the candidate blocks keep 20% of the uncheck')
+    """
+    if share >= LOW_SHARE:
+        return None
+    return (
+        f"the candidate blocks keep {100 * share:.0f}% of the unchecked step's activations; "
+        "the rest is in code outside them, which no plan of these blocks checkpoints. Pass "
+        "check_fn=lambda name, module: ... to plan the modules that hold it."
+    )
+
+
+def name_ranges(names: Sequence[str]) -> str:
+    """The block names, consecutive indices of one stack as a range, for the table.
+
+    Example:
+        >>> name_ranges(["encoder.block.0", "encoder.block.1", "encoder.block.2",
+        ...              "decoder.block.0", "head"])
+        'encoder.block.0-2, decoder.block.0, head'
+    """
+    parts: list[str] = []
+    run: tuple[str, int, int] | None = None  # prefix, first, last
+    for name in names:
+        m = re.fullmatch(r"(.*?)(\d+)", name)
+        if m and run and m[1] == run[0] and int(m[2]) == run[2] + 1:
+            run = (run[0], run[1], int(m[2]))
+            continue
+        if run:
+            parts.append(_range(run))
+        run = (m[1], int(m[2]), int(m[2])) if m else None
+        if not m:
+            parts.append(name)
+    if run:
+        parts.append(_range(run))
+    return ", ".join(parts)
+
+
+def _range(run: tuple[str, int, int]) -> str:
+    prefix, first, last = run
+    return f"{prefix}{first}" if first == last else f"{prefix}{first}-{last}"
 
 
 def miss_message(budget: int, floor: StepPeak, unchecked: int, scratch: int = 0) -> str:

@@ -38,6 +38,7 @@ from .perblock import solve_dp, solve_milp
 from .render import miss_message, plan_table
 from .stepmodel import (
     attribution,
+    block_share,
     budget_of,
     predicted_cost,
     predicted_peak,
@@ -383,4 +384,5 @@ def plan(
             [blocks[sp.first].name, blocks[sp.last].name] for sp in chosen if sp.offloaded
         ],
         peak_phase=peak.at.phase,
+        block_share=block_share(profile),
     )

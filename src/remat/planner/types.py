@@ -519,6 +519,9 @@ class PlanData:
             until their own backward asks for it (on a device:
             ``apply_span(offload_inputs=True, prefetch=False)``).
         peak_phase: the phase of the step where the peak falls (``peak_at`` in words).
+        block_share: the share of the unchecked step's activations the blocks keep
+            (:func:`~remat.planner.stepmodel.block_share`); the table names the blocks
+            with it and warns when it is small. ``None``: not known.
     """
 
     decisions: dict[str, Decision]
@@ -537,6 +540,7 @@ class PlanData:
     scratch_bytes: int = 0
     offloaded_spans: list[list[str]] = dataclasses.field(default_factory=list)
     peak_phase: Phase | None = None
+    block_share: float | None = None
 
     def __post_init__(self) -> None:
         bad = sorted(str(d) for d in self.decisions.values() if d not in _NAMES)

@@ -291,3 +291,26 @@ def attribution(
 def unchecked_peak(prof: ProfileData) -> StepPeak:
     """The step's peak with every block kept."""
     return step_peak(prof, [KEEP] * len(prof.blocks))
+
+
+def block_share(prof: ProfileData) -> float:
+    """The share (0 to 1) of the unchecked step's activations that the blocks keep for
+    backward: the sum of their ``retained[keep]`` against what the step holds above its
+    start between the last block's forward and its backward, gradients excluded (``top -
+    top_grads``: the blocks' saved tensors, those of the model's code outside them, the
+    head's and the loss's); 0 when the step has none. What it leaves out is in code outside
+    the blocks (a stem at full resolution, a large head, an encoder beside the planned
+    decoder), which no plan of these blocks checkpoints.
+
+    Example:
+        >>> import torch, remat
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+        >>> prof = remat.profile(model, torch.randn(32, 64), timer="flops")
+        >>> round(block_share(prof), 2)
+        1.0
+    """
+    activations = prof.top - prof.top_grads
+    if activations <= 0:
+        return 0.0
+    kept = sum(b.retained.get(KEEP, 0) for b in prof.blocks)
+    return min(max(kept / activations, 0.0), 1.0)

@@ -1,0 +1,58 @@
+"""Hugging Face transformers families planned with the default blocks (small random
+configs built in code, tests/hfmodels.py): GPT-2, Llama, a mixture of experts (Mixtral),
+T5 (encoder and decoder stacks), BERT and ViT, at 70 %, 50 % and 30 %; Llama in the default run, the others marked slow."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import remat
+from remat._blocks import default_blocks
+from tests.support.budgetcheck import PredictionOff, check_default_plans
+from tests.support.hf_models import FAMILIES, llama
+
+pytest.importorskip("transformers", reason="needs the test extra: pip install -e '.[test]'")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# the budgets the every-block checkpoint meets: the encoder-decoder's 8 blocks reach 30 %
+REACHED = {"t5": {0.7, 0.5, 0.3}}
+
+
+def test_default_blocks_are_every_layer_stack():
+    for family, (make, blocks) in FAMILIES.items():
+        torch.manual_seed(0)
+        model, _ = make()
+        assert default_blocks(model) == blocks, family
+        assert remat.apply_activation_checkpointing(model) == blocks, family
+
+
+# T5's relative position bias, made by the first block of each stack and passed to the
+# others, is over-counted once two or more blocks that receive it are checkpointed (64 KiB
+# a block here, 2-6 % of the peak; the step model's, with the old encoder-only blocks too);
+# plans stay within their budgets.
+T5_BIAS = pytest.mark.xfail(
+    raises=PredictionOff, strict=True, reason="step model over-counts T5's position bias"
+)
+
+
+def marks(family: str) -> list[pytest.MarkDecorator]:
+    if family == "t5":
+        return [T5_BIAS, pytest.mark.slow]
+    return [] if family == "llama" else [pytest.mark.slow]  # one family in the default run
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=marks(f)) for f in FAMILIES])
+def test_family_planned_and_met_at_default_blocks(family):
+    make, blocks = FAMILIES[family]
+    torch.manual_seed(0)
+    model, batch = make()
+    check_default_plans(model, blocks=blocks, reached=REACHED.get(family, {0.7, 0.5}), **batch)
+
+
+def test_kv_cache_under_checkpointing_names_use_cache():
+    torch.manual_seed(0)
+    model, batch = llama()
+    del batch["use_cache"]  # the config's default: True
+    with pytest.raises(remat.CheckpointError, match="Pass use_cache=False"):
+        remat.profile(model, timer="flops", **batch)

@@ -1,0 +1,79 @@
+"""Plan a model with the default blocks at 70 %, 50 % and 30 % and check each plan against
+measured steps (tests/test_models_*.py)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+import remat
+
+BUDGETS = (0.7, 0.5, 0.3)
+
+
+class PredictionOff(AssertionError):
+    """A plan's predicted peak is not the measured one (raised after every other check
+    passed, so that a known inaccuracy can be marked alone)."""
+
+
+def loss_of(out: Any) -> torch.Tensor:
+    """The model's own loss (Hugging Face models given labels), else the output's sum: the
+    loss remat.profile takes by default."""
+    own = getattr(out, "loss", None)
+    return own if isinstance(own, torch.Tensor) else out.float().sum()
+
+
+def grads(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    loss_of(model(*args, **kwargs)).backward()
+    got = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    return got
+
+
+def check_default_plans(
+    model: nn.Module, *args: Any, blocks: list[str], reached: set[float], **kwargs: Any
+) -> dict[float, tuple[int, int]]:
+    """Profile ``model`` with the default blocks (asserted equal to ``blocks``) and plan it at
+    each of :data:`BUDGETS`. A budget the every-block checkpoint of those blocks meets
+    (measured; ``reached`` pins which) is planned; every plan made is met by a measured
+    step and its gradients equal the unchecked step's bitwise; then :class:`PredictionOff`
+    unless every prediction is the measured peak, to the byte (the step model is exact on
+    CPU for these chains). Returns ``{share: (predicted, measured)}`` of the plans."""
+    ref = grads(copy.deepcopy(model), args, kwargs)
+    prof = remat.profile(model, *args, timer="flops", **kwargs)
+    assert [b.name for b in prof.blocks] == blocks
+    every = copy.deepcopy(model)
+    assert remat.apply_activation_checkpointing(every) == blocks
+    every_peak = remat.measure_peak(every, *args, **kwargs)
+    base = prof.static_step_bytes + prof.scratch_bytes
+    full = prof.unchecked_peak_bytes + prof.scratch_bytes
+    met: set[float] = set()
+    out: dict[float, tuple[int, int]] = {}
+    for share in BUDGETS:
+        budget = base + int(share * (full - base))
+        every_meets = every_peak + prof.scratch_bytes <= budget
+        if every_meets:
+            met.add(share)
+        try:
+            plan = remat.plan(prof, f"{share:.0%}")
+        except remat.PlanError:
+            assert not every_meets, f"{share:.0%}: the every-block checkpoint meets it"
+            continue
+        assert abs(plan.budget_bytes - budget) <= 1, (plan.budget_bytes, budget)
+        planned = copy.deepcopy(model)
+        plan.apply(planned)
+        measured = remat.measure_peak(planned, *args, **kwargs)
+        assert measured + prof.scratch_bytes <= plan.budget_bytes, (share, measured, plan)
+        got = grads(planned, args, kwargs)
+        assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref)), share
+        out[share] = (plan.predicted_peak_bytes, measured)
+    assert met == reached, f"the every-block checkpoint ({every_peak} B) meets {sorted(met)}"
+    off = {s: pm for s, pm in out.items() if pm[0] != pm[1]}
+    if off:
+        raise PredictionOff(f"(predicted, measured) peaks differ: {off}")
+    return out
