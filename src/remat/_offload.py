@@ -61,7 +61,7 @@ class _StreamOps:
 
     Real devices (CUDA, or any backend whose device module has ``Stream`` and
     ``Event``) go through torch's device module. Tests substitute a simulated
-    asynchronous device (tests/simdevice.py) that defers side-stream work and
+    asynchronous device (tests/support/simdevice.py) that defers side-stream work and
     flags any read of a copy that has not finished.
     """
 
