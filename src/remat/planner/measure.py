@@ -24,7 +24,6 @@ is derived from them by :func:`remat.planner.stepmodel.derive_blocks`.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,7 +39,6 @@ from .._modelinfo import (
     check_module,
     counted_device,
     device_of,
-    in_call_order,
     loss_of,
 )
 from .._offload import moves_to_host
@@ -71,8 +69,6 @@ from .state import (
 from .stepmodel import HELD_LINES, derive_blocks
 from .timing import flop_costs, make_clock, time_blocks
 from .types import Decision, Measurements, Timeline
-
-_log = logging.getLogger(__name__)
 
 KEEP, RECOMPUTE, SELECTIVE, OFFLOAD, SPLIT = (
     Decision.KEEP,
@@ -176,7 +172,7 @@ def profile(
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"remat.profile: repeats must be an int >= 1, got {repeats!r}.")
     check_step_options("remat.profile", optimizer, set_to_none)
-    names = _call_order(model, candidates(model, check_fn), args, kwargs)
+    names = candidates(model, check_fn)
     blocks = {n: model.get_submodule(n) for n in names}
     chosen = _decisions(model, args, kwargs, blocks, decisions)
     agree = active(distributed)
@@ -220,20 +216,6 @@ def profile(
         shared_bytes=step.shared,
     )
     return agree_profile(prof) if agree else prof
-
-
-def _call_order(
-    model: nn.Module, names: list[str], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> list[str]:
-    """The blocks in the order the model's forward calls them (the chain the step model
-    reads; the module tree's order is not always it: a U-Net that registers its up stacks
-    first); in the given order when a forward without gradients fails (a model that needs
-    gradients in forward: the warm-up step then checks the order)."""
-    try:
-        return in_call_order(model, names, args, kwargs)
-    except Exception:
-        _log.debug("remat.profile: the forward without gradients failed", exc_info=True)
-        return names
 
 
 def _decisions(
