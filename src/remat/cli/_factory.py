@@ -10,6 +10,7 @@ commands take the built-in model of ``remat bench`` at its default size.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import importlib.util
 import os
@@ -19,6 +20,24 @@ from typing import Any
 import torch
 
 from ._usage import RunError, UsageError, describe
+
+
+def add_target_arguments(p: argparse.ArgumentParser, verb: str) -> None:
+    """The ``MODULE:FACTORY`` argument and ``--model`` (the built-in model without one) that
+    every subcommand taking a user's model has; ``verb`` names what it does to it."""
+    p.add_argument(
+        "target",
+        metavar="MODULE:FACTORY",
+        nargs="?",
+        default=None,
+        help="e.g. mypkg.models:make_model, or a file: path/to/models.py:make_model "
+        "(default: the built-in model, see --model)",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help=f"without MODULE:FACTORY: the built-in model to {verb}, gpt or mlp (default gpt)",
+    )
 
 
 def import_target(mod_name: str) -> Any:

@@ -17,7 +17,7 @@ from typing import Any
 
 from .._explain import explain
 from .._wrap import apply_activation_checkpointing
-from ._factory import builtin_model, factory_hint, load_factory
+from ._factory import add_target_arguments, builtin_model, factory_hint, load_factory
 from ._usage import RunError, UsageError, check_output_path, describe, write_text
 
 
@@ -34,19 +34,7 @@ def add_parser(sub: Any) -> None:
             "MODULE:FACTORY the built-in model of remat bench is explained."
         ),
     )
-    p.add_argument(
-        "target",
-        metavar="MODULE:FACTORY",
-        nargs="?",
-        default=None,
-        help="e.g. mypkg.models:make_model, or a file: path/to/models.py:make_model "
-        "(default: the built-in model, see --model)",
-    )
-    p.add_argument(
-        "--model",
-        default=None,
-        help="without MODULE:FACTORY: the built-in model, gpt or mlp (default gpt)",
-    )
+    add_target_arguments(p, "explain")
     p.add_argument(
         "--wrap",
         action="store_true",

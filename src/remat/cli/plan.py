@@ -32,6 +32,7 @@ from ..planner.measure import profile
 from ..planner.render import fmt_bytes as _fmt
 from ..planner.solve import plan
 from ..planner.stepmodel import parse_budget
+from ._factory import add_target_arguments
 from ._factory import builtin_model as _builtin
 from ._factory import factory_hint as _hint
 from ._factory import load_factory as _load
@@ -49,19 +50,7 @@ def add_parser(sub: Any) -> None:
             "remat bench is planned (try: remat plan --budget 50%%)."
         ),
     )
-    p.add_argument(
-        "target",
-        metavar="MODULE:FACTORY",
-        nargs="?",
-        default=None,
-        help="e.g. mypkg.models:make_model, or a file: path/to/models.py:make_model "
-        "(default: the built-in model, see --model)",
-    )
-    p.add_argument(
-        "--model",
-        default=None,
-        help="without MODULE:FACTORY: the built-in model to plan, gpt or mlp (default gpt)",
-    )
+    add_target_arguments(p, "plan")
     p.add_argument(
         "--budget",
         required=True,
