@@ -75,3 +75,77 @@ def test_saved_inputs_keep_tensors_and_check_versions_on_older_torch(older_torch
     b.add_(1.0)
     with pytest.raises(RuntimeError, match=r"input 1 of a checkpointed region \(shape \(3,\)\)"):
         kept.values()
+
+
+def _block() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 16))
+
+
+def test_offload_to_cpu_moves_a_regions_input_off_the_device_on_older_torch(older_torch):
+    # the first GPU check (torch 2.11) found the wrapper's input kept by reference, never
+    # offloaded: the device memory did not drop. The simulated device stands for CUDA.
+    import weakref
+
+    from tests.support.simdevice import simulated_device
+
+    block = _block()
+    x = data(8, 16)
+    block(x * 1.0).sum().backward()
+    want = [p.grad.clone() for p in block.parameters()] + [x.grad.clone()]
+    block.zero_grad(set_to_none=True)
+    x.grad = None
+    remat.checkpoint_wrapper(block, offload_to_cpu=True)
+    with simulated_device(0) as dev:
+        h = x * 1.0
+        alive = weakref.ref(h)
+        y = block(h)
+        del h
+        assert alive() is None  # only the host copy keeps the region's input
+        assert [k for k, _ in dev.copies].count("out") == 1
+        y.sum().backward()
+    got = [p.grad for p in block.parameters()] + [x.grad]
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_save_on_cpu_keeps_a_regions_input_through_its_hooks_on_older_torch(older_torch):
+    import weakref
+
+    packed = []
+
+    def pack(t):
+        packed.append(tuple(t.shape))
+        return t.clone()  # a copy, as save_on_cpu's: the original may die
+
+    x, w = data(4, 4), data(4, 4, seed=1)
+    want = grads(lambda a, b: fn(a * 1.0, b), x, w)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        a = x * 1.0
+        alive = weakref.ref(a)
+        y = remat.checkpoint(fn, a, w)
+    del a
+    assert alive() is None and packed[-2:] == [(4, 4), (4, 4)]  # the region's inputs a, w
+    y.sum().backward()
+    got = [x.grad, w.grad]
+    for g, v in zip(got, want):
+        assert torch.equal(g, v)
+
+
+def test_a_nested_regions_input_is_recomputed_by_the_outer_region_on_older_torch(older_torch):
+    import weakref
+
+    x, w = data(4, 4), data(4, 4, seed=1)
+    want = grads(lambda a, b: fn(fn(a, b) * 2.0, b), x, w)
+    inner_inputs = []
+
+    def outer(a, b):
+        h = fn(a, b) * 2.0
+        inner_inputs.append(weakref.ref(h))
+        return remat.checkpoint(fn, h, b)
+
+    y = remat.checkpoint(outer, x, w)
+    assert inner_inputs[0]() is None  # the outer region drops it; backward recomputes it
+    y.sum().backward()
+    for g, v in zip([x.grad, w.grad], want):
+        assert torch.equal(g, v)

@@ -119,8 +119,8 @@ def test_offloaded_tensors_live_in_pinned_host_memory_and_device_memory_drops():
     captured = []
     orig_put = HostStash.put
 
-    def spy(self, t):
-        tk = orig_put(self, t)
+    def spy(self, t, *args, **kwargs):
+        tk = orig_put(self, t, *args, **kwargs)
         captured.append(tk)
         return tk
 

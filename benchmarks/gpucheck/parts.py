@@ -317,7 +317,8 @@ def part_offload(check: Check, found: dict[str, Any], deadline: Deadline) -> Non
 def offload_timing(rows: dict[str, dict[str, Any]], bw: dict[str, float]) -> None:
     """Add each case's median step time, its time ratio to ``keep`` (median of the paired
     per-round ratios) and, for cases that copy, the copies' time at the measured bandwidth
-    and the share of it hidden behind compute: ``1 - (step - keep's step) / copies' time``."""
+    and the share of it hidden behind compute: ``1 - (step - keep's step) / copies' time``
+    (left out where the copies take under 1 % of the step)."""
     ref = rows["keep"]["step_times_s"]
     if not ref:
         return
@@ -330,7 +331,10 @@ def offload_timing(rows: dict[str, dict[str, Any]], bw: dict[str, float]) -> Non
         if moved and row is not rows["keep"]:
             copy_s = moved / bw["d2h_bytes_per_s"] + moved / bw["h2d_bytes_per_s"]
             row["copy_s"] = copy_s
-            row["hidden_share"] = 1 - (row["step_s"] - keep) / copy_s
+            if copy_s >= 0.01 * row["step_s"]:
+                # a share of copies that take next to no time is noise over a tiny divisor
+                # (the first GPU run printed -27661490 for recompute's few host bytes)
+                row["hidden_share"] = 1 - (row["step_s"] - keep) / copy_s
 
 
 # -- part 6: per-call overhead -----------------------------------------------------------------------

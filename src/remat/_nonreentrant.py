@@ -56,8 +56,11 @@ from ._tree import SLOT, has_nested, replace_tensors, tensors_in
 _make_saved: Callable[..., Any] | None
 try:
     from torch._C._autograd import _make_saved_tensor as _make_saved
-except ImportError:  # older torch: inputs are kept by reference, versions checked by hand
+except ImportError:  # older torch: inputs kept by _KeptByHand
     _make_saved = None
+_top_hooks: Callable[[bool], Any] = getattr(
+    torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _: None
+)
 
 _modes_on = torch._C._len_torch_dispatch_stack
 _no_python_dispatch = torch._C._DisableTorchDispatch
@@ -129,7 +132,6 @@ class _Frame:
         "nested",
         "inputs",
         "where",
-        "versions",
         "state",
         "recompute_ctx",
         "early_stop",
@@ -167,23 +169,20 @@ class _Frame:
         self.done: set[Any] = set()
         self.forward_completed = False
         self.fwd_ops: list[tuple[str, str]] | None = None
-        self.versions: list[int] | None = None
         self.nested = nested
         self.kwargs = kwargs
         self.args: Any = args
         self.inputs: list[Any] = tensors
         self.where: list[int] | None = None
-        if _make_saved is None:
-            self.versions = [t._version for t in tensors]
-            return
-        # Keep the inputs through autograd's SavedTensor (see module docstring) and
-        # drop the direct references from the argument template. A tensor passed
-        # twice (attention's query, key and value) is kept once and is again one object
-        # in recompute: code that tests identity (``query is key``) takes the same path.
+        # Keep the inputs through autograd's SavedTensor (see module docstring; on an
+        # older torch, _KeptByHand) and drop the direct references from the argument
+        # template. A tensor passed twice (attention's query, key and value) is kept once
+        # and is again one object in recompute: code that tests identity (``query is key``)
+        # takes the same path.
         kept = tensors
         if len(tensors) > 1 and len({id(t) for t in tensors}) < len(tensors):
             kept, self.where = _unique(tensors)
-        self.inputs = [_make_saved(t, is_output=False) for t in kept]
+        self.inputs = [_keep_input(t, "remat.checkpoint") for t in kept]
         if nested:
             self.args = replace_tensors((args, kwargs), [SLOT] * len(tensors), [0])
             self.kwargs = {}
@@ -254,21 +253,9 @@ class _Frame:
 
     # -- recompute -------------------------------------------------------------------
     def input_values(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        if _make_saved is not None:
-            tensors = [s.unpack() for s in self.inputs]
-            if self.where is not None:
-                tensors = [tensors[j] for j in self.where]
-        else:
-            tensors = self.inputs
-            for i, (t, v) in enumerate(zip(tensors, self.versions or [])):
-                if t._version != v:
-                    raise RuntimeError(
-                        f"remat.checkpoint: input {i} of a checkpointed region (shape "
-                        f"{tuple(t.shape)}) was modified in place after the forward; its "
-                        "recompute would be wrong. Clone the input before changing it."
-                    )
-        if _make_saved is None:
-            return self.args, self.kwargs
+        tensors = [_unpack_input(s, i) for i, s in enumerate(self.inputs)]
+        if self.where is not None:
+            tensors = [tensors[j] for j in self.where]
         if self.nested:
             args, kwargs = replace_tensors(self.args, tensors, [0])
             return args, kwargs
@@ -604,9 +591,6 @@ def run_nonreentrant(
     return out
 
 
-_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
-
-
 def enclosing_region() -> tuple[Callable[[Any], Any], Callable[[Any], Any]] | None:
     """The saved-tensor hooks of the remat region the code runs in (its forward or its
     recompute), or ``None`` outside one (or under other hooks, such as ``save_on_cpu``).
@@ -681,41 +665,82 @@ class SavedInputs:
     it, and :func:`remat.offload` around :meth:`add` moves it to host memory.
     """
 
-    __slots__ = ("saved", "versions")
+    __slots__ = ("saved",)
 
     def __init__(self) -> None:
         self.saved: list[Any] = []
-        self.versions: list[int] = []  # older torch only: checked by hand
 
     def add(self, t: torch.Tensor) -> int:
         """Keep ``t``; return its index in :meth:`values`."""
-        if _make_saved is not None:
-            obs = _observe.current()
-            if obs is None:
-                self.saved.append(_make_saved(t, is_output=False))
-            else:
-                obs.keeping_input(True)
-                try:
-                    self.saved.append(_make_saved(t, is_output=False))
-                finally:
-                    obs.keeping_input(False)
+        obs = _observe.current()
+        if obs is None:
+            self.saved.append(_keep_input(t, "remat"))
         else:
-            self.saved.append(t)
-            self.versions.append(t._version)
+            obs.keeping_input(True)
+            try:
+                self.saved.append(_keep_input(t, "remat"))
+            finally:
+                obs.keeping_input(False)
         return len(self.saved) - 1
 
     def values(self) -> list[torch.Tensor]:
         """The kept tensors (raises if one was changed in place since it was added)."""
-        if _make_saved is not None:
-            return [s.unpack() for s in self.saved]
-        for i, (t, v) in enumerate(zip(self.saved, self.versions)):
-            if t._version != v:
-                raise RuntimeError(
-                    f"remat: input {i} of a checkpointed region (shape {tuple(t.shape)}) was "
-                    "modified in place after the forward; its recompute would be wrong. Clone "
-                    "the input before changing it."
-                )
-        return list(self.saved)
+        return [_unpack_input(s, i) for i, s in enumerate(self.saved)]
+
+
+class _KeptByHand:
+    """A region's input on a torch whose autograd cannot make a ``SavedTensor`` from Python.
+
+    Kept as a ``SavedTensor`` would keep it: through the saved-tensor hooks active
+    where it is kept (so :func:`remat.offload`, ``offload_to_cpu`` and
+    ``torch.autograd.graph.save_on_cpu`` move it off the device, and an enclosing
+    region recomputes it), or, with no hooks active, by reference with its version
+    checked by hand when it is read (an in-place change after forward raises).
+    """
+
+    __slots__ = ("value", "unpack_hook", "version", "who", "requires_grad")
+
+    def __init__(self, t: torch.Tensor, who: str) -> None:
+        hooks = _top_hooks(False)
+        self.who = who
+        self.version = t._version
+        self.requires_grad = t.requires_grad
+        if hooks is None:
+            self.value, self.unpack_hook = t, None
+        else:
+            pack, self.unpack_hook = hooks
+            self.value = pack(t)
+
+    def unpack(self, i: int) -> torch.Tensor:
+        if self.unpack_hook is not None:
+            v: torch.Tensor = self.unpack_hook(self.value)
+            if self.requires_grad and not v.requires_grad:
+                # as a SavedTensor restores it: the recompute's operators must see an input
+                # that requires grad to save what the forward's saved (an enclosing
+                # region's recompute hands its tensors back detached)
+                v = v.detach().requires_grad_()
+            return v
+        t: torch.Tensor = self.value
+        if t._version != self.version:
+            raise RuntimeError(
+                f"{self.who}: input {i} of a checkpointed region (shape {tuple(t.shape)}) was "
+                "modified in place after the forward; its recompute would be wrong. Clone "
+                "the input before changing it."
+            )
+        return t
+
+
+def _keep_input(t: torch.Tensor, who: str) -> Any:
+    """``t`` kept for a recompute under the saved-tensor hooks active now."""
+    if _make_saved is not None:
+        return _make_saved(t, is_output=False)
+    return _KeptByHand(t, who)
+
+
+def _unpack_input(kept: Any, i: int) -> torch.Tensor:
+    if isinstance(kept, _KeptByHand):
+        return kept.unpack(i)
+    return kept.unpack()  # type: ignore[no-any-return]
 
 
 class PiecewiseRegion:
