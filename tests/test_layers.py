@@ -25,6 +25,7 @@ PLANNER_LAYERS = [
     "sharded",
     "state",
     "apply",
+    "advice",
     "solve",
     "inputs",
     "distributed",

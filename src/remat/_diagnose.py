@@ -99,12 +99,12 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.1f} TiB"  # pragma: no cover
 
 
-def _related(a: str, b: str) -> bool:
+def related(a: str, b: str) -> bool:
     """Whether one module name is the other or inside it."""
     return a == b or a.startswith(b + ".") or b.startswith(a + ".")
 
 
-def _hf_checkpointing(model: nn.Module | None) -> list[str]:
+def hf_checkpointing(model: nn.Module | None) -> list[str]:
     """Modules with Hugging Face's own gradient checkpointing on (and in training mode)."""
     if model is None:
         return []
@@ -125,7 +125,7 @@ def _split(model: nn.Module | None) -> list[str]:
 def _hf_advice(module: str, hf: list[str]) -> str:
     if not hf:
         return ""
-    if any(_related(module, h) for h in hf) or any(h == "" for h in hf):
+    if any(related(module, h) for h in hf) or any(h == "" for h in hf):
         return (
             " Hugging Face's own gradient checkpointing is on"
             f" ({hf[0] or 'the model'}): turn it off with model.gradient_checkpointing_disable()"
@@ -211,12 +211,12 @@ def raises_peak(probe: StepProbe, peak_bytes: int, plain_peak: int | None) -> li
 
 def nested(probe: StepProbe, model: nn.Module | None) -> list[Diagnostic]:
     """Modules checkpointed twice: found where regions start, and by counting forward calls."""
-    hf = _hf_checkpointing(model)
+    hf = hf_checkpointing(model)
     split = _split(model)
     found: list[Diagnostic] = []
     covered: list[str] = [*split]  # a split block's children run three times by design
     for n in probe.nestings.values():
-        if any(_related(n.inner, b) for b in split):
+        if any(related(n.inner, b) for b in split):
             continue
         if n.how == "torch.utils.checkpoint inside remat's checkpoint":
             module = n.outer
@@ -258,7 +258,7 @@ def nested(probe: StepProbe, model: nn.Module | None) -> list[Diagnostic]:
     ]
     flagged = [n for n in flagged if not any(n != o and n.startswith(o + ".") for o in flagged)]
     for name in flagged:
-        if any(_related(name, c) for c in covered):
+        if any(related(name, c) for c in covered):
             continue
         fwd, bwd = probe.calls[name]
         found.append(
@@ -329,7 +329,7 @@ def diagnose_step(
     """
     twice = nested(probe, model)
     return [
-        *(d for d in frees_nothing(probe) if not any(_related(d.module, n.module) for n in twice)),
+        *(d for d in frees_nothing(probe) if not any(related(d.module, n.module) for n in twice)),
         *raises_peak(probe, peak_bytes, plain_peak),
         *twice,
         *loss_head(probe),

@@ -340,3 +340,10 @@ def _has_scipy() -> bool:
     except ImportError:
         return False
     return True
+
+
+def test_plan_diagnose_applies_the_plan_and_prints_the_probed_warnings(capsys):
+    assert main(["plan", "--budget", "60%", "--model", "mlp", "--timer", "flops", "--diagnose"]) == 0
+    out = capsys.readouterr().out
+    # the built-in MLP's blocks, planned at 60%, checkpoint cleanly: no warning, table intact
+    assert "predicted step peak" in out and "warning:" not in out

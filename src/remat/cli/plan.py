@@ -28,6 +28,7 @@ import torch
 
 from .._errors import PlanError
 from .._modelinfo import device_of
+from ..planner import advice
 from ..planner.measure import profile
 from ..planner.render import fmt_bytes as _fmt
 from ..planner.solve import plan
@@ -88,6 +89,12 @@ def add_parser(sub: Any) -> None:
         "--no-spans",
         action="store_true",
         help="one decision per block: no regions spanning consecutive blocks",
+    )
+    p.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="also apply the plan and run remat explain's boundary diagnostics on one "
+        "instrumented step (two more steps)",
     )
     p.add_argument("--json", metavar="FILE", default=None, help="also write the plan as JSON")
     p.set_defaults(run=main)
@@ -164,6 +171,12 @@ def main(args: argparse.Namespace) -> int:
             )
         except (PlanError, ValueError) as e:
             raise UsageError(str(e)) from None
+        step: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        if args.diagnose:
+            chosen.apply(model)
+            step = (tuple(example), {})
+        with region:
+            chosen.diagnostics = advice.on_model(model, chosen, step)
         print(
             f"remat plan: {len(prof.blocks)} blocks, unchecked step peak "
             f"{_fmt(prof.unchecked_peak_bytes)} (before it starts: {_fmt(prof.static_step_bytes)} of "

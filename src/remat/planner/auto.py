@@ -21,7 +21,7 @@ from .._modelinfo import (
     loss_of,
 )
 from .._tree import tensors_in
-from . import measure
+from . import advice, measure
 from .amp import fresh_region, outside
 from .apply import restore_state, snapshot_state
 from .distributed import active, agree_max, agree_min, agree_profile, agree_same
@@ -224,6 +224,7 @@ def auto_checkpoint(
     quiet: bool = False,
     profile: Profile | None = None,
     distributed: bool | None = None,
+    diagnose: bool = False,
     **kwargs: Any,
 ) -> Plan:
     """Profile, plan for ``budget``, apply in place, and check real steps.
@@ -271,6 +272,12 @@ def auto_checkpoint(
             asked for, and each measured peak is the largest over the ranks, so
             every rank re-plans (or gives up) together. The budget is one rank's
             step peak. ``False``: this rank alone.
+        diagnose: also run every boundary diagnostic of :func:`remat.explain` on one
+            instrumented step of the planned model (two more steps: a plain one and a
+            probed one, which runs slower), and add what they find to
+            ``Plan.diagnostics``. Without it the plan carries the warnings the planner
+            knows without a step (:mod:`remat.planner.advice`: blocks checkpointed
+            already, a peak in the loss head).
         **kwargs: keyword inputs of the model.
 
     Returns:
@@ -353,6 +360,9 @@ def auto_checkpoint(
             (measured,) = agree_max([measured])
         if measured + scratch <= target:
             chosen.budget_bytes = target
+            chosen.diagnostics = advice.on_model(
+                model, chosen, (inputs.args, inputs.kwargs) if diagnose else None, loss_fn
+            )
             return chosen
         if attempt == 3:
             break
@@ -379,3 +389,4 @@ def auto_checkpoint(
         "Raise the budget, use a smaller batch, or pick finer blocks (check_fn=...); if the "
         "prediction is far off, please report the model."
     )
+

@@ -37,6 +37,13 @@ def lever(phase: Phase | None, where: str) -> str:
             "foreach=False (fewer temporaries), or shard the optimizer state (FSDP2 "
             "fully_shard, ZeRO)."
         )
+    if phase is Phase.AFTER_BLOCKS:
+        return (
+            f"The peak is {where}, where the head's and the loss's own tensors (logits, their "
+            "softmax and gradient) stay whatever the blocks do: compute the loss in chunks (the "
+            "head and the loss on slices of the sequence or batch, each slice checkpointed), "
+            "or select the head as a block too (check_fn=...)."
+        )
     return (
         f"The peak is {where}, where no checkpointing plan reaches: make the inputs or the "
         "layers before the first block smaller (batch, sequence length), or select them as "
@@ -94,6 +101,7 @@ def plan_table(plan: PlanData) -> str:
         note = coverage_note(plan.block_share)
         if note is not None:
             lines.append(f"warning: {note}")
+    lines.extend(str(d) for d in plan.diagnostics)
     return "\n".join(lines)
 
 

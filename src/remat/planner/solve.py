@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from .._errors import PlanError
+from . import advice
 from .apply import apply_plan
 from .chain import (
     TooManyStates,
@@ -332,9 +333,13 @@ def plan(
     budget_bytes = budget_of(profile, budget)
     scratch = profile.scratch_bytes
     unchecked = unchecked_peak(profile)
-    low = floor(profile, longest)[2]
+    low_decisions, low_spans, low = floor(profile, longest)
     if low.bytes + scratch > budget_bytes:
-        raise PlanError(miss_message(budget_bytes, low, unchecked.bytes, scratch))
+        head = advice.loss_head(profile, low, low_decisions, low_spans)
+        raise PlanError(
+            miss_message(budget_bytes, low, unchecked.bytes, scratch)
+            + "".join(f" {d.message[:1].upper()}{d.message[1:]}" for d in head)
+        )
     n = len(profile.blocks)
     found: tuple[list[Decision], list[Span]] | None = None
     if profile.shared_bytes and unchecked.bytes + scratch <= budget_bytes:
@@ -385,4 +390,5 @@ def plan(
         ],
         peak_phase=peak.at.phase,
         block_share=block_share(profile),
+        diagnostics=advice.loss_head(profile, peak, decisions, chosen),
     )

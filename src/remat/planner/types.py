@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 
 from typing_extensions import Self
 
+from .._diagnose import Diagnostic, Kind
 from .._errors import PlanError
 
 __all__ = [
@@ -522,6 +523,10 @@ class PlanData:
         block_share: the share of the unchecked step's activations the blocks keep
             (:func:`~remat.planner.stepmodel.block_share`); the table names the blocks
             with it and warns when it is small. ``None``: not known.
+        diagnostics: boundary warnings that apply to this plan on its model
+            (:class:`remat.Diagnostic`: a block the plan checkpoints that is checkpointed
+            already, a peak in the loss head that no plan of the blocks lowers); the
+            table prints them under the blocks.
     """
 
     decisions: dict[str, Decision]
@@ -541,6 +546,7 @@ class PlanData:
     offloaded_spans: list[list[str]] = dataclasses.field(default_factory=list)
     peak_phase: Phase | None = None
     block_share: float | None = None
+    diagnostics: list[Diagnostic] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         bad = sorted(str(d) for d in self.decisions.values() if d not in _NAMES)
@@ -551,11 +557,19 @@ class PlanData:
         self.decisions = {n: Decision(d) for n, d in self.decisions.items()}
         if isinstance(self.peak_phase, str):
             self.peak_phase = Phase[self.peak_phase]
+        self.diagnostics = [
+            d if isinstance(d, Diagnostic) else Diagnostic(Kind[d["kind"]], d["module"], d["message"])
+            for d in self.diagnostics
+        ]
 
     def to_json(self) -> str:
         """Plain JSON (no pickle)."""
         data = dataclasses.asdict(self)
         data["peak_phase"] = None if self.peak_phase is None else self.peak_phase.name
+        data["diagnostics"] = [
+            {"kind": d.kind.name, "module": d.module, "message": d.message}
+            for d in self.diagnostics
+        ]
         return json.dumps(data, indent=2)
 
     @classmethod

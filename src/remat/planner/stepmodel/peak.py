@@ -314,3 +314,14 @@ def block_share(prof: ProfileData) -> float:
         return 0.0
     kept = sum(b.retained.get(KEEP, 0) for b in prof.blocks)
     return min(max(kept / activations, 0.0), 1.0)
+
+
+def head_bytes(prof: ProfileData) -> int:
+    """The bytes of the head and the loss at their peak (every block kept): what the step
+    holds after the last block's forward (``top``) less what is alive when that forward
+    ends (the blocks' kept tensors, the last block's output and what the model's code
+    holds). 0 without blocks."""
+    if not prof.blocks:
+        return 0
+    last = prof.blocks[-1]
+    return max(0, prof.top - last.fwd_start - last.retained[Decision.KEEP])
