@@ -49,13 +49,12 @@ import torch
 from torch import nn
 
 from .. import memory
+from .._modelinfo import device_of
 from .._tree import tensors_in
+from ..planner.render import fmt_bytes
+from ..planner.state import optimizer_tensors, trainable
 
 __all__ = ["PeakCheck", "PeakMeter"]
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,34 +92,20 @@ class PeakCheck:
         return out
 
     def __str__(self) -> str:
-        parts = [f"step {self.step}: peak {_mib(self.peak_bytes)}"]
+        parts = [f"step {self.step}: peak {fmt_bytes(self.peak_bytes)}"]
         if self.predicted_bytes is not None:
-            parts.append(f"predicted {_mib(self.predicted_bytes)}")
+            parts.append(f"predicted {fmt_bytes(self.predicted_bytes)}")
         if self.budget_bytes is not None:
             verdict = "OVER" if self.over_budget else "within"
-            parts.append(f"budget {_mib(self.budget_bytes)} ({verdict})")
+            parts.append(f"budget {fmt_bytes(self.budget_bytes)} ({verdict})")
         return ", ".join(parts)
 
 
 def _step_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     """Parameters, buffers, existing gradients and optimizer state: what a step starts with."""
-    params = list(model.parameters())
-    if optimizer is not None:
-        known = {id(p) for p in params}
-        params += [p for g in optimizer.param_groups for p in g["params"] if id(p) not in known]
-    found: list[torch.Tensor] = [*params, *model.buffers()]
-    found += [p.grad for p in params if p.grad is not None]
-    if optimizer is not None:
-        tensors_in(list(optimizer.state.values()), found)
-    return found
-
-
-def _device(model: nn.Module, inputs: Any) -> torch.device:
-    found: list[torch.Tensor] = []
-    tensors_in(inputs, found)
-    for t in [*model.parameters(), *found]:
-        return t.device
-    return torch.device("cpu")
+    params = list({id(p): p for p in [*model.parameters(), *trainable(model, optimizer)]}.values())
+    grads = [p.grad for p in params if p.grad is not None]
+    return [*params, *model.buffers(), *grads, *optimizer_tensors(optimizer)]
 
 
 class PeakMeter:
@@ -192,7 +177,7 @@ class PeakMeter:
                 "each step (or close() to drop it)."
             )
         self._step = len(self.checks) if step is None else step
-        device = _device(model, inputs)
+        device = device_of(model, inputs)
         stack = contextlib.ExitStack()
         if device.type == "cuda":
             self._cuda = device
