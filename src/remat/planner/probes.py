@@ -264,7 +264,9 @@ class InputFrees:
     block runs (the next block saves none of it and nothing else holds it), and for the last
     block by the end of the model's forward (the head saves none of it); the shared
     arguments (``shared``). For that step and the one under ``offload``: each block's
-    inputs alive when its window ends and dead when forward returns (``held_to_end``).
+    inputs alive when its window ends and dead when forward returns (``held_to_end``), by
+    their storages: a tensor object dies while its storage lives on where autograd saved
+    it as an operator's output (``relu``'s: a new tensor on the same storage).
 
     The step model adds each block's bytes at its own decision, so a free that happens only
     because the block before does not hold its output is a pair effect: under ``selective``
@@ -473,9 +475,10 @@ def offload_inputs(
     offloads) when nothing but the block itself holds it on the device once the block has
     returned, whatever decision of ``before`` the block before takes; 0 where something does
     (that block's graph saves its output, the model's code keeps it) or for a last block.
-    Second, per block, the bytes of that argument when it dies as the block returns with
-    every block offloaded but lives on when the block before is kept or selective (its
-    ``tanh`` or ``relu`` saved it): the ``offload`` line then counts it freed, a pair effect.
+    Second, per block, the bytes of that argument when it dies as the block returns (the
+    last block's: as the forward returns) with every block offloaded but lives on when the
+    block before is kept or selective (its ``tanh`` or ``relu`` saved it): the ``offload``
+    line then counts it freed, a pair effect.
 
     Forwards with gradients, no backward: every block under ``offload`` (its saved tensors in
     host memory, so it holds its input on the device only while it runs), then, for each
