@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from .. import memory
-from .._bytes import shares_storage, storage_bytes, storages
+from .._bytes import leaves, shares_storage, storage_bytes, storages
 from .._tree import tensors_in
 from ..memory import BlockHooks
 from .amp import fresh_region
@@ -44,6 +44,10 @@ from .types import Decision, Timeline
 _log = logging.getLogger(__name__)
 
 Sized = list[tuple[weakref.ref[torch.Tensor], int]]
+#: Storages with their bytes and keys: alive as long as anything holds their memory (a
+#: tensor object can die while its storage lives on: autograd saves an operator's output,
+#: ``relu``'s, as a new tensor on the same storage).
+Stored = list[tuple[weakref.ref[torch.UntypedStorage], int, int]]
 
 
 def storage_keys(t: torch.Tensor) -> set[int]:
@@ -54,6 +58,25 @@ def storage_keys(t: torch.Tensor) -> set[int]:
 def dead_bytes(sized: Sized) -> int:
     """The bytes of the entries of ``sized`` whose tensor has died."""
     return sum(b for r, b in sized if r() is None)
+
+
+def stored(tensors: Sequence[torch.Tensor]) -> Stored:
+    """The storages of ``tensors`` (each once), with their bytes and keys."""
+    out: Stored = []
+    seen: set[int] = set()
+    for t in tensors:
+        for leaf in leaves(t):
+            st = leaf.untyped_storage()
+            key, nbytes = st._cdata, st.nbytes()
+            if nbytes and key not in seen:
+                seen.add(key)
+                out.append((weakref.ref(st), nbytes, key))
+    return out
+
+
+def dead_storage_bytes(entries: Stored) -> int:
+    """The bytes of the storages of ``entries`` that have died."""
+    return sum(b for r, b, _ in entries if r() is None)
 
 
 def sizes(refs: list[weakref.ref[torch.Tensor]]) -> Sized:
@@ -241,7 +264,9 @@ class InputFrees:
     block runs (the next block saves none of it and nothing else holds it), and for the last
     block by the end of the model's forward (the head saves none of it); the shared
     arguments (``shared``). For that step and the one under ``offload``: each block's
-    inputs alive when its window ends and dead when forward returns (``held_to_end``).
+    inputs alive when its window ends and dead when forward returns (``held_to_end``), by
+    their storages: a tensor object dies while its storage lives on where autograd saved
+    it as an operator's output (``relu``'s: a new tensor on the same storage).
 
     The step model adds each block's bytes at its own decision, so a free that happens only
     because the block before does not hold its output is a pair effect: under ``selective``
@@ -267,8 +292,8 @@ class InputFrees:
         # those of them still alive when its window ends (the next block starts; the last
         # block's: when it returns): the ones that then die when the forward returns are
         # held into backward only by a checkpoint of the block (``held_to_end``)
-        self.inputs: list[Sized] = [[] for _ in range(n)]
-        self.alive: list[Sized] = [[] for _ in range(n)]
+        self.inputs: list[Stored] = [[] for _ in range(n)]
+        self.alive: list[Stored] = [[] for _ in range(n)]
         self.held_to_end = [0] * n
         self.many: set[int] = set()  # storages of tensors passed to two or more blocks
         self.handle = model.register_forward_hook(self.end)
@@ -280,10 +305,10 @@ class InputFrees:
         tensors_in((args, kwargs), got)
         self._seen(got, i)
         mine = [t for t in got if id(t) not in self.outside and not storage_keys(t) & self.many]
-        self.inputs[i] = sizes([weakref.ref(t) for t in mine])
+        self.inputs[i] = stored(mine)
         if i == 0:
             return
-        self.alive[i - 1] = [(r, b) for r, b in self.inputs[i - 1] if r() is not None]
+        self.alive[i - 1] = [e for e in self.inputs[i - 1] if e[0]() is not None]
         self.passed[i - 1] = sizes([r for r in self.outs[i - 1] if any(r() is t for t in got)])
         if i >= 2:
             self.freed[i - 2] = dead_bytes(self.passed[i - 2])
@@ -299,10 +324,11 @@ class InputFrees:
                 self.arg_sizes[id(t)] = sizes([ref])  # read while it is alive
             self.args[id(t)] = (ref, count + 1)
             if count + 1 == 2:  # shared: not one block's input (Profile.shared_bytes); from
-                self.many |= storage_keys(t)  # here on ``many`` keeps it out as it is recorded
+                keys = storage_keys(t)
+                self.many |= keys  # here on ``many`` keeps it out as it is recorded
                 for j in range(i):
-                    self.inputs[j] = [(r, b) for r, b in self.inputs[j] if r() is not t]
-                    self.alive[j] = [(r, b) for r, b in self.alive[j] if r() is not t]
+                    self.inputs[j] = [e for e in self.inputs[j] if e[2] not in keys]
+                    self.alive[j] = [e for e in self.alive[j] if e[2] not in keys]
 
     def after(self, i: int, args: Any, kwargs: Any, out: Any) -> None:
         got: list[torch.Tensor] = []
@@ -310,7 +336,7 @@ class InputFrees:
         self.outs[i] = [weakref.ref(t) for t in got]
         if i == self.last:
             self.out_sizes = sizes(self.outs[i])
-            self.alive[i] = [(r, b) for r, b in self.inputs[i] if r() is not None]
+            self.alive[i] = [e for e in self.inputs[i] if e[0]() is not None]
 
     def end(self, module: Any, args: Any, out: Any) -> None:
         """The model's forward returned: what the last two blocks passed on, and the shared
@@ -323,7 +349,7 @@ class InputFrees:
             s for key, (_, count) in self.args.items() if count >= 2 for s in self.arg_sizes[key]
         ]
         self.shared = dead_bytes(shared)
-        self.held_to_end = [dead_bytes(alive) for alive in self.alive]
+        self.held_to_end = [dead_storage_bytes(alive) for alive in self.alive]
 
     def remove(self) -> None:
         self.handle.remove()
@@ -411,6 +437,21 @@ class OffloadProbe:
     def after(self, i: int, args: Any, kwargs: Any, out: Any) -> None:
         pass
 
+    def end(self) -> None:
+        """The model's forward returned (its output still alive): whether the input of an
+        offloaded last block is alive. No block after it frees it: it dies, if nothing
+        holds it, when the forward returns (with every block offloaded, the block before
+        saved it to host memory; kept, that block's ``relu`` holds it into backward)."""
+        i = len(self.pattern) - 1
+        ref = self.refs[i]
+        if ref is None or self.pattern[i] != Decision.OFFLOAD:
+            return
+        alive = ref() is not None
+        if self.first:
+            self.found.alone[i] = not alive
+        elif alive:
+            self.found.by_before[i] = True
+
 
 class OffloadFindings:
     """What the forwards of :func:`offload_inputs` found, per block."""
@@ -434,9 +475,10 @@ def offload_inputs(
     offloads) when nothing but the block itself holds it on the device once the block has
     returned, whatever decision of ``before`` the block before takes; 0 where something does
     (that block's graph saves its output, the model's code keeps it) or for a last block.
-    Second, per block, the bytes of that argument when it dies as the block returns with
-    every block offloaded but lives on when the block before is kept or selective (its
-    ``tanh`` or ``relu`` saved it): the ``offload`` line then counts it freed, a pair effect.
+    Second, per block, the bytes of that argument when it dies as the block returns (the
+    last block's: as the forward returns) with every block offloaded but lives on when the
+    block before is kept or selective (its ``tanh`` or ``relu`` saved it): the ``offload``
+    line then counts it freed, a pair effect.
 
     Forwards with gradients, no backward: every block under ``offload`` (its saved tensors in
     host memory, so it holds its input on the device only while it runs), then, for each
@@ -454,10 +496,12 @@ def offload_inputs(
     for k, pattern in enumerate(patterns):
         for m, d in zip(modules, pattern):
             apply_decision(m, d)
-        with BlockHooks(modules, OffloadProbe(pattern, k == 0, found)):
+        probe = OffloadProbe(pattern, k == 0, found)
+        with BlockHooks(modules, probe):
             state.reset_rng()
             fresh_region()
             out = model(*args, **kwargs)
+            probe.end()
             del out
     free = [0 if h else b for h, b in zip(found.held, found.size)]
     pair = [b if a and p else 0 for a, p, b in zip(found.alone, found.by_before, found.size)]

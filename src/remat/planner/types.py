@@ -342,8 +342,8 @@ class Measurements:
             block, its inputs alive when its window ends that die when forward returns.
         offload_inputs: per block, the bytes of its input nothing else holds once it
             returns, whatever the block before does (0: not offered).
-        held_before: per block, the bytes of its input that the ``offload`` line freed but
-            a kept or selective block before holds.
+        held_before: per block, the bytes of its input that the ``offload`` line freed (the
+            last block's: as the forward returned) but a kept or selective block before holds.
         mutating: blocks that change one of their input tensors in place.
         splittable: blocks with two or more children with parameters.
     """

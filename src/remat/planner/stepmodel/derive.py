@@ -36,13 +36,18 @@ def derive_blocks(m: Measurements) -> list[BlockCosts]:
             if b.bwd_excess[SELECTIVE] > NEVER:  # a backward window was seen
                 b.bwd_excess[SELECTIVE] -= f  # its own backward: as measured
     _held_to_end(out, m.held_to_end)
-    for b, f, h in zip(out, m.offload_inputs, m.held_before):
+    last = len(out) - 1
+    for i, (b, f, h) in enumerate(zip(out, m.offload_inputs, m.held_before)):
         b.offload_input = 0 if b.name in m.mutating else f
+        if i == last:  # its input died as the forward returned: in ``held_to_end``
+            h = min(h, m.held_to_end.get(OFFLOAD, [0] * (i + 1))[i])
         if h and OFFLOAD in b.retained:
-            # The offload line freed this block's input as it ran; after a kept or selective
-            # block that saved it, it lives on: counted as held (high by ``h`` after a block
-            # that does not hold it, never low).
+            # The offload line freed this block's input as it ran (the last block's: as the
+            # forward returned); after a kept or selective block that saved it, it lives on:
+            # counted as held (high by ``h`` after a block that does not hold it, never low).
             b.retained[OFFLOAD] += h
+            if i == last:  # and not freed at the forward's end (``exit_freed``)
+                _not_freed_at_exit(b, h)
     for b in out:
         # A block that changes its input in place cannot be recomputed from that input (the
         # region keeps it; autograd raises when backward reads it): it is kept, alone. A
@@ -130,6 +135,14 @@ def _terms(
             )
         )
     return out
+
+
+def _not_freed_at_exit(b: BlockCosts, h: int) -> None:
+    """Take ``h`` bytes of ``offload``'s ``exit_freed`` back (they count as held into
+    backward, in ``retained``); an ``exit_freed`` left all zero is dropped."""
+    b.exit_freed[OFFLOAD] -= h
+    if not any(b.exit_freed.values()):
+        b.exit_freed = {}
 
 
 def _held_to_end(costs: list[BlockCosts], held: dict[Decision, list[int]]) -> None:
