@@ -29,6 +29,8 @@ PLANNER_LAYERS = [
     "inputs",
     "distributed",
     "scratch",
+    "counting",
+    "calibration",
     "timing",
     "probes",
     "measure",
