@@ -144,7 +144,9 @@ print(json.dumps(constants(torch.device("cpu"), torch.float32, 1).__dict__))
 def test_processes_calibrating_at_once_share_one_calibration(tmp_path):
     env = {"REMAT_CACHE_DIR": str(tmp_path), "PYTHONPATH": ":".join(sys.path)}
     procs = [
-        subprocess.Popen([sys.executable, "-c", _CALIBRATE], stdout=subprocess.PIPE, env=env, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", _CALIBRATE], stdout=subprocess.PIPE, env=env, text=True
+        )
         for _ in range(3)
     ]
     outs = [p.communicate(timeout=300)[0] for p in procs]

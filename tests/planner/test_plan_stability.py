@@ -25,14 +25,14 @@ import remat
 torch.set_num_threads(1)
 
 def gpt():
-    from remat.bench.models import build, example_input
-    from tests.support.models import SMALL_GPT
-    return build(SMALL_GPT), (example_input(SMALL_GPT),), {}
+    from remat.bench.models import ModelConfig, build, example_input
+    cfg = ModelConfig(layers=4, d_model=32, seq=64, batch=8, heads=2, vocab=64)
+    return build(cfg), (example_input(cfg),), {}
 
-def cnn():
-    from tests.support.vision_models import ResNet
+def cnn():  # a U-Net: down, mid and up stacks of residual conv blocks, skips
+    from tests.support.vision_models import UNet
     torch.manual_seed(0)
-    return ResNet((4, 8, 16, 32)), (torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1)),), {}
+    return UNet(), (torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1)),), {}
 
 def gpt2():
     from tests.support.hf_models import gpt2

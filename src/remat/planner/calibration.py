@@ -108,9 +108,7 @@ def device_key(device: torch.device, dtype: torch.dtype, threads: int | None) ->
     return f"v{VERSION}|{device.type}|{name}|{dtype}|torch {torch.__version__}|threads {n}"
 
 
-def constants(
-    device: torch.device, dtype: torch.dtype, threads: int | None
-) -> Constants:
+def constants(device: torch.device, dtype: torch.dtype, threads: int | None) -> Constants:
     """The device's constants for ``dtype``: from the cache, else calibrated now and cached."""
     key = device_key(device, dtype, threads)
     return _cached(str(cache_file(key)), key, str(device), str(dtype), threads)
@@ -189,7 +187,9 @@ def calibrate(device: torch.device, dtype: torch.dtype, threads: int | None) -> 
             per_op, region = _overheads(device, dtype, clock, "recompute", pointwise=True)
             recomputed_op, sel_region = _overheads(device, dtype, clock, "selective", True)
             saved_op, _ = _overheads(device, dtype, clock, "selective", pointwise=False)
-            host_rate = _rate(_to_host(device), clock, flops=False) if device.type == "cuda" else byte_rate
+            host_rate = (
+                _rate(_to_host(device), clock, flops=False) if device.type == "cuda" else byte_rate
+            )
     return Constants(
         mm_rate=on_grid(mm_rate),
         conv_rate=on_grid(conv_rate),
@@ -361,4 +361,3 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
