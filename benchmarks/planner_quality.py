@@ -299,7 +299,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny models (a smoke test)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace) -> int:
     env = {
         "torch": torch.__version__,
         "python": sys.version.split()[0],
