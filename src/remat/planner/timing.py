@@ -161,8 +161,9 @@ def modelled_costs(
     * ``offload``: the bytes it moves to the host (``offloaded``: what the block keeps
       under ``keep`` less what it keeps under ``offload``, measured) out and back, at the
       calibrated copy rate, an upper bound (copies overlap compute on their own stream);
-    * the step: three times the whole forward's ``sum(t(c) + K.per_op)`` (backward is about
-      twice the forward), for the predicted time ratio ``1 + overhead / step_cost``.
+    * the step: the whole forward's ``sum(t(c) + K.per_op)`` and its backward (twice each
+      call's FLOPs, its bytes again, nothing for a random draw), for the predicted time
+      ratio ``1 + overhead / step_cost``.
 
     Every term is a function of counts and of cached constants, so it is the same in every
     process that reads the same calibration (the design note of
@@ -199,8 +200,16 @@ def modelled_costs(
                 "offload": moved / base.host_rate,
                 "split": 2 * again,
             }[d]
-    step = 3 * sum(run(c) + k(c.dtype).per_op for c in whole)
+    step = sum(run(c) + k(c.dtype).per_op + _backward(c, k(c.dtype)) for c in whole)
     return out, step
+
+
+def _backward(c: OpCount, k: Constants) -> float:
+    """An operator's share of backward: twice its FLOPs (the gradients of both operands),
+    its bytes again (a pointwise gradient), nothing for a random draw (its mask is kept)."""
+    if c.kind == "random":
+        return 0.0
+    return k.op_seconds(c.kind, 2 * c.flops, c.bytes) + k.per_op
 
 
 #: The dtypes calibrated on their own; operators of other dtypes are priced as float32.
