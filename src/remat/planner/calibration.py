@@ -169,7 +169,13 @@ def _write(path: pathlib.Path, key: str, made: Constants) -> Constants:
 
 
 def on_grid(value: float) -> float:
-    """``value`` rounded to the nearest power of ``2**(1/GRID)`` (0 stays 0)."""
+    """``value`` rounded to the nearest power of ``2**(1/GRID)`` (0 stays 0).
+
+    Example:
+        >>> from remat.planner.calibration import on_grid
+        >>> on_grid(1.05), on_grid(1.2) == 2 ** 0.25, on_grid(on_grid(3e-5)) == on_grid(3e-5)
+        (1.0, True, True)
+    """
     if value <= 0:
         return 0.0
     return float(2.0 ** (round(math.log2(value) * GRID) / GRID))
@@ -303,7 +309,7 @@ def _random(device: torch.device, dtype: torch.dtype) -> Callable[[], Any]:
 
 def _to_host(device: torch.device) -> Callable[[], Any]:
     x = torch.full((1 << 22,), 0.5, device=device)
-    host = torch.empty_like(x, device="cpu", pin_memory=True)
+    host = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=True)
 
     def run() -> Any:
         host.copy_(x)  # counted bytes: source and destination, half of them moved
