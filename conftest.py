@@ -1,9 +1,14 @@
 """Doctest collection of src/remat: the integration modules whose framework (an optional
-extra) is not installed are not collected (importing them raises, naming the extra)."""
+extra) is not installed are not collected (importing them raises, naming the extra); the
+calibration cache of the whole session."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+from collections.abc import Iterator
+
+import pytest
 
 collect_ignore: list[str] = []
 if importlib.util.find_spec("transformers") is None:
@@ -14,3 +19,18 @@ if importlib.util.find_spec("transformers") is None:
     ]
 if importlib.util.find_spec("lightning") is None:
     collect_ignore += ["src/remat/integrations/lightning.py"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def calibration_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The planner's device calibration (remat.planner.calibration) kept in a directory of
+    the test session, not the user's cache; put back after the session."""
+    old = os.environ.get("REMAT_CACHE_DIR")
+    os.environ["REMAT_CACHE_DIR"] = str(tmp_path_factory.mktemp("remat-cache"))
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["REMAT_CACHE_DIR"]
+        else:
+            os.environ["REMAT_CACHE_DIR"] = old

@@ -30,6 +30,8 @@ PLANNER_LAYERS = [
     "inputs",
     "distributed",
     "scratch",
+    "counting",
+    "calibration",
     "timing",
     "probes",
     "measure",

@@ -229,14 +229,14 @@ def test_planning_a_flops_profile_twice_gives_the_same_plan():
 
 
 def test_timed_profiles_of_identical_blocks_give_identical_plans():
-    # Issue #10's stability requirement: with timer="time" the costs differ by noise from
+    # Issue #10's stability requirement: with timer="measured" the costs differ by noise from
     # run to run; identical blocks share one cost and near-ties go to the simplest plan.
     torch.manual_seed(0)
     model = nn.Sequential(*[ResMLP(32, 128) for _ in range(6)])
     x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
     runs = []
     for _ in range(3):
-        prof = remat.profile(model, x, timer="time", repeats=3)
+        prof = remat.profile(model, x, timer="measured", repeats=3)
         floor = per_block_floor(prof)
         budget = (floor + prof.unchecked_peak_bytes) // 2
         assert floor < budget < prof.unchecked_peak_bytes

@@ -70,7 +70,7 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="your loop keeps gradients allocated (zero_grad(set_to_none=False), accumulation)",
     )
-    p.add_argument("--timer", choices=("time", "flops"), default="time", help="cost measure")
+    p.add_argument("--timer", choices=("time", "measured", "flops"), default="time", help="cost measure")
     p.add_argument(
         "--autocast",
         choices=tuple(AUTOCAST),

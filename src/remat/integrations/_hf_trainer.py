@@ -92,7 +92,8 @@ class RematCallback(TrainerCallback):  # type: ignore[misc]
             it on the model's output. Default: the ``loss`` the model returns.
         check_fn: ``(name, module) -> bool``: other candidate layers (default: the
             ``GradientCheckpointingLayer`` s).
-        timer: the planner's cost measure, ``"time"`` or ``"flops"`` (deterministic).
+        timer: the planner's cost measure, ``"time"`` (default), ``"measured"`` or
+            ``"flops"`` (see :func:`remat.profile`).
         measure: measure each step (on CPU this counts every operator's outputs in
             Python: slower steps); ``False`` plans only.
 

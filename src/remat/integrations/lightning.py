@@ -110,7 +110,8 @@ class RematCallback(Callback):  # type: ignore[misc]
         check_fn: ``(name, module) -> bool`` over the LightningModule's submodules
             (names as ``named_modules`` gives them): the candidate blocks. Default: the
             repeated blocks.
-        timer: the planner's cost measure, ``"time"`` or ``"flops"`` (deterministic).
+        timer: the planner's cost measure, ``"time"`` (default), ``"measured"`` or
+            ``"flops"`` (see :func:`remat.profile`).
         measure: measure each batch (on CPU this counts every operator's outputs in
             Python: slower steps); ``False`` plans only.
 

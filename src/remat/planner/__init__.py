@@ -28,7 +28,10 @@ Data flows one way, each module importing only those before it::
 * :mod:`.auto`: :func:`auto_checkpoint` and :func:`measure_peak`; :mod:`.inputs`: the
   model's inputs apart from the options (:class:`Inputs`).
 * Beside them: :mod:`.state` (what a step changes, put back; the bytes a step starts
-  with), :mod:`.timing` (block times, FLOPs), :mod:`.scratch` (scratch inside operators),
+  with), :mod:`.counting` (each operator a block runs: FLOPs, bytes moved, whether the
+  selective cache saves it), :mod:`.calibration` (per-device constants that price counted
+  work, timed once and cached), :mod:`.timing` (what each decision costs: modelled seconds,
+  measured seconds or FLOPs), :mod:`.scratch` (scratch inside operators),
   :mod:`.amp` (the mixed-precision recipe), :mod:`.sharded` (FSDP2, DDP bytes),
   :mod:`.distributed` (one profile, one plan for all ranks).
 

@@ -259,7 +259,7 @@ def auto_checkpoint(
         loss_fn: output -> scalar loss; default: the output's ``loss`` (entry or attribute: a
             model that computes its own loss), else the sum of its floating outputs.
         check_fn: picks the candidate blocks (default: the repeated blocks).
-        timer: ``"time"`` or ``"flops"`` (see :func:`remat.profile`).
+        timer: ``"time"``, ``"measured"`` or ``"flops"`` (see :func:`remat.profile`).
         quiet: do not log re-planning.
         profile: a :class:`~remat.Profile` of this model measured before (by
             :func:`remat.profile` with the same inputs, optimizer, ``set_to_none``

@@ -12,8 +12,11 @@ A few instrumented training steps of the default loop (see
 4. per decision one memory step, every candidate block under that decision, whose bytes
    are read at the boundaries of contiguous windows (:class:`~.probes.TimelineProbe`);
    gradients start as ``None`` (or kept, with ``set_to_none=False``), as in the user's
-   step; then ``repeats`` timed steps (not tracked: the tracker's per-op work would inflate
-   the time), or the FLOPs with ``timer="flops"``;
+   step; with ``timer="measured"`` then ``repeats`` timed steps (not tracked: the
+   tracker's per-op work would inflate the time); with ``timer="time"`` (the default) and
+   ``timer="flops"`` the blocks' work is counted instead (:mod:`.counting`: one forward
+   without gradients, then each block alone) and priced with the device's calibration
+   (:mod:`.calibration`; ``"time"``) or left in FLOPs;
 5. with an ``optimizer``: two ``optimizer.step()`` calls from an empty state, tracked (the
    first creates the state), after which the parameters, the optimizer's state and
    hyper-parameters are put back.
@@ -47,6 +50,7 @@ from .._tree import tensors_in
 from ..memory import BlockHooks
 from .amp import fresh_region, outside
 from .apply import apply_decision, restore_state, snapshot_state
+from .calibration import make_clock
 from .distributed import active, agree_profile, agree_same
 from .inputs import model_inputs
 from .probes import (
@@ -67,7 +71,7 @@ from .state import (
     static_bytes,
 )
 from .stepmodel import HELD_LINES, derive_blocks
-from .timing import flop_costs, make_clock, time_blocks
+from .timing import flop_costs, modelled_costs, time_blocks
 from .types import Decision, Measurements, Timeline
 
 KEEP, RECOMPUTE, SELECTIVE, OFFLOAD, SPLIT = (
@@ -95,8 +99,8 @@ def profile(
 ) -> Profile:
     """Measure a training step and each candidate block under each decision.
 
-    Runs ``2 + len(decisions) * (1 + repeats)`` training steps (forward,
-    loss, backward; ``2 + len(decisions)`` with ``timer="flops"``), plus two
+    Runs ``2 + len(decisions)`` training steps (forward, loss, backward;
+    ``2 + len(decisions) * (1 + repeats)`` with ``timer="measured"``), plus two
     ``optimizer.step()`` calls when an optimizer is given. One of the steps runs
     under ``torch.profiler`` to measure the scratch memory inside operators
     (``Profile.scratch_bytes``). Everything they
@@ -132,18 +136,26 @@ def profile(
             (``nn.ReLU(inplace=True)`` as a block of an ``nn.Sequential``) can only be
             kept: a checkpoint keeps its input for the recompute, which the block
             changes (and keeping it costs what keeping the block does).
-        timer: ``"time"`` (seconds) or ``"flops"`` (recomputed FLOPs, deterministic).
-            FLOPs count what ``torch.utils.flop_counter`` counts (matmuls,
-            convolutions, attention): recomputing norms and activations counts as
-            free, so ``selective`` costs 0 under this timer. Use it for tests and
-            cross-machine comparisons; plan real runs with ``"time"``.
-        repeats: timed steps per decision; a block's cost is the median, and half
-            the range of the samples is its noise (near-ties within it go to the
-            simpler plan).
-        threads: CPU only: ``1`` (default) times with one thread and thread CPU
-            time, the steadiest numbers; another number sets torch's threads and
-            ``None`` keeps them, both with wall time, closer to a multi-threaded
-            training run.
+        timer: the cost measure. ``"time"`` (default; seconds): every operator each
+            decision runs again is counted (FLOPs, bytes moved, one call), and the
+            counts are priced by constants timed once per device, dtype and thread
+            count and cached on disk (:mod:`remat.planner.calibration`): the same
+            model, inputs and budget give the same plan in every process that reads
+            the calibration, however busy the machine. ``"measured"`` (seconds):
+            each block timed in ``repeats`` steps per decision, the median its cost,
+            half the range its noise (near-ties within it go to the simpler plan);
+            closest to the machine as it is now, but plans may differ from run to run
+            where two decisions cost about the same. ``"flops"``: recomputed FLOPs,
+            what ``torch.utils.flop_counter`` counts (matmuls, convolutions,
+            attention): recomputing norms and activations counts as free, so
+            ``selective`` costs 0 under this timer; for tests and cross-machine
+            comparisons.
+        repeats: with ``timer="measured"``: timed steps per decision.
+        threads: CPU only: ``1`` (default) times (the calibration, or the blocks with
+            ``timer="measured"``) with one thread and thread CPU time, the steadiest
+            numbers; another number sets torch's threads and ``None`` keeps them, both
+            with wall time, closer to a multi-threaded training run (a calibration is
+            kept per thread count).
         distributed: ``None`` (default): when a ``torch.distributed`` process group of
             two or more ranks is initialized, every rank of it must call ``profile``
             with the same model and inputs of the same shapes; the ranks run the
@@ -167,8 +179,10 @@ def profile(
     args, kwargs = model_inputs(args, kwargs, "remat.profile")
     check_module(model, "remat.profile")
     check_grad_enabled("remat.profile")
-    if timer not in ("time", "flops"):
-        raise ValueError(f"remat.profile: timer must be 'time' or 'flops', got {timer!r}.")
+    if timer not in TIMERS:
+        raise ValueError(
+            f"remat.profile: timer must be one of {list(TIMERS)}, got {timer!r}."
+        )
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"remat.profile: repeats must be an int >= 1, got {repeats!r}.")
     check_step_options("remat.profile", optimizer, set_to_none)
@@ -195,11 +209,11 @@ def profile(
         top=keep_line.top_peak,
         pre=keep_line.pre_peak,
         decisions=list(chosen),
-        cost_unit="s" if timer == "time" else "flop",
+        cost_unit="flop" if timer == "flops" else "s",
         input_shapes=[list(t.shape) for t in shapes],
         device=str(step.device),
         torch_version=torch.__version__,
-        step_cost=step.keep_cost if timer == "time" else 3.0 * sum(m.costs[RECOMPUTE].values()),
+        step_cost=step.keep_cost if timer != "flops" else 3.0 * sum(m.costs[RECOMPUTE].values()),
         static_bytes=static_bytes(model, (args, kwargs), step.counted),
         grad_bytes=step.grad_bytes,
         grads_kept=not set_to_none,
@@ -216,6 +230,10 @@ def profile(
         shared_bytes=step.shared,
     )
     return agree_profile(prof) if agree else prof
+
+
+#: The cost measures ``remat.profile`` knows (see its ``timer`` argument).
+TIMERS = ("time", "measured", "flops")
 
 
 def _decisions(
@@ -345,7 +363,7 @@ def _measure(
     held: dict[Decision, list[int]] = {}
     freed = [0] * n
     opt_terms = (0, 0, 0)
-    clock = make_clock(step.device, step.threads) if timer == "time" else None
+    clock = make_clock(step.device, step.threads) if timer == "measured" else None
     for d in decisions:
         for nm, mod in blocks.items():  # a block that cannot split is recomputed meanwhile
             if nm in calls.mutating:
@@ -369,6 +387,13 @@ def _measure(
             )
             if d is KEEP:
                 step.keep_cost = float(sorted(step.costs)[len(step.costs) // 2])
+    if timer == "time":
+        moved = _offloaded(names, lines) if OFFLOAD in lines else None
+        modelled, step.keep_cost = modelled_costs(
+            model, blocks, step.args, step.kwargs, decisions, step.device, step.threads, moved
+        )
+        times = {Decision(d): v for d, v in modelled.items()}
+        noise = {d: dict.fromkeys(names, 0.0) for d in decisions}
     if timer == "flops":
         # "recompute" as well: a whole step's FLOPs are three times the blocks' forwards
         measured = list(dict.fromkeys([*decisions, RECOMPUTE]))
@@ -396,6 +421,19 @@ def _measure(
         splittable=splittable,
     )
     return m, opt_terms, scratch, calls, kept
+
+
+def _offloaded(names: list[str], lines: dict[Decision, Timeline]) -> dict[str, int]:
+    """Per block, what it keeps for backward under ``keep`` less under ``offload``: the bytes
+    ``offload`` moves to the host."""
+    out = {}
+    for i, nm in enumerate(names):
+        kept = [
+            (t.fwd_start[i + 1] if i + 1 < len(names) else t.top_start) - t.fwd_start[i]
+            for t in (lines[KEEP], lines[OFFLOAD])
+        ]
+        out[nm] = max(kept[0] - kept[1], 0)
+    return out
 
 
 def _memory_step(

@@ -1,28 +1,34 @@
-"""Timing a step's blocks: per-block forward+backward time, or FLOPs recomputed.
+"""What each decision costs a block: modelled seconds, measured seconds, or FLOPs.
 
-On CPU with one thread, thread CPU time (``time.thread_time``), the steadiest
-clock on a shared machine; otherwise wall time around synchronised
-boundaries. Each block's time is the median of ``repeats`` steps and its
-noise half the range of those samples: the planner breaks near-ties within
-that noise toward the simpler plan.
+* ``timer="time"`` (the default), :func:`modelled_costs`: the block's counted work
+  (:mod:`remat.planner.counting`) priced by the device's calibrated constants
+  (:mod:`remat.planner.calibration`). Why a model rather than a stopwatch: two decisions
+  of a block often cost within a few per cent of each other (``recompute`` against
+  ``selective``), while timing a block on a shared machine moves by 5-20 % from one
+  process to the next, so timed costs flip plans between runs (issue 22 measured 5 of
+  23 plannings flipping). Counts do not move, and the constants are timed once and
+  cached, so the plan is a function of the model, the inputs, the budget and the cache
+  file. The noise of these costs is 0: near-ties are exact ties, broken toward the
+  simpler plan by :mod:`remat.planner.solve`.
+* ``timer="measured"``, :func:`time_blocks`: each block's forward+backward timed in
+  ``repeats`` steps (thread CPU time on CPU with one thread, else wall time around
+  synchronised boundaries), its cost the median and its noise half the range; the
+  planner breaks near-ties within that noise toward the simpler plan.
+* ``timer="flops"``, :func:`flop_costs`: FLOPs recomputed, machine-independent.
 """
 
 from __future__ import annotations
 
-import contextlib
 import statistics
-import time
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from .._selective import RECOMPUTE_ENTRY
-from .._state import ForwardState
 from .._tree import tensors_in
+from .calibration import Constants, constants, num_threads
+from .counting import OpCount, count_blocks
 
 
 class BlockTimer:
@@ -73,30 +79,6 @@ class BlockTimer:
             h.remove()
 
 
-@contextlib.contextmanager
-def num_threads(device: torch.device, threads: int | None) -> Iterator[None]:
-    if device.type != "cpu" or threads is None:
-        yield
-        return
-    n = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
-def make_clock(device: torch.device, threads: int | None) -> Callable[[], float]:
-    if device.type == "cuda" or threads != 1:
-
-        def clock() -> float:
-            torch.cuda.synchronize(device)
-            return time.perf_counter()
-
-        return clock if device.type == "cuda" else time.perf_counter
-    return time.thread_time
-
-
 def time_blocks(
     blocks: dict[str, nn.Module],
     step: Callable[[], None],
@@ -137,38 +119,11 @@ def flop_costs(
     (``split``), and those of the operators the planner's selective policy does not serve
     from its cache (``selective``: counted under the policy itself, so a matmul output it
     recomputes because the block changes it in place, as ``nn.GRU`` does, counts)."""
-    from torch.utils.flop_counter import flop_registry
-
-    from .._selective import create_selective_checkpoint_contexts
-    from ..policies import save_matmuls
-
+    _, counts = count_blocks(model, blocks, args, kwargs)
     out: dict[str, dict[str, float]] = {d: {} for d in decisions}
-    inputs: dict[str, Any] = {}
-    handles = [
-        m.register_forward_pre_hook(_InputGrab(n, inputs), with_kwargs=True)
-        for n, m in blocks.items()
-    ]
-    try:
-        with torch.no_grad(), _quiet():
-            model(*args, **kwargs)  # one forward records every block's inputs
-    finally:
-        for h in handles:
-            h.remove()
-    for n, m in blocks.items():
-        save_mode, _ = create_selective_checkpoint_contexts(save_matmuls(prefer=True))
-        counter = _CallFlops(flop_registry)
-        block_args, block_kwargs, state = inputs[n]
-        token = state.enter()  # the autocast (dtype, device) state the model called it under
-        try:
-            with torch.no_grad(), _quiet(), save_mode, counter:  # the counter sees calls first
-                m(*block_args, **block_kwargs)
-        finally:
-            state.exit(token)
-        entries = save_mode.store.entries  # type: ignore[attr-defined]
-        total = float(sum(f for _, _, f in counter.calls))
-        unsaved = float(
-            sum(f for func, i, f in counter.calls if _entry(entries, func, i) is RECOMPUTE_ENTRY)
-        )
+    for n, calls in counts.items():
+        total = float(sum(c.flops for c in calls))
+        unsaved = float(sum(c.flops for c in calls if not c.saved))
         for d in decisions:
             out[d][n] = {
                 "keep": 0.0,
@@ -180,52 +135,82 @@ def flop_costs(
     return out
 
 
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """Warnings silenced: a model that checkpoints inside with torch's reentrant variant warns
-    that no input requires grad, true in these forwards without gradients and not the
-    user's concern."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+def modelled_costs(
+    model: nn.Module,
+    blocks: dict[str, nn.Module],
+    args: Any,
+    kwargs: Any,
+    decisions: Sequence[str],
+    device: torch.device,
+    threads: int | None,
+    offloaded: dict[str, int] | None = None,
+) -> tuple[dict[str, dict[str, float]], float]:
+    """Seconds each decision adds to each block, from counted work and the device's
+    calibrated constants, and the predicted time of a whole step with every block kept.
+
+    With the constants ``K`` of the operator's dtype (:mod:`remat.planner.calibration`),
+    one call ``c`` computes for ``t(c) = c.flops / K.rate[c.kind] + c.bytes / K.byte_rate``;
+
+    * ``recompute``: the block's forward again, ``sum(t(c) + K.per_op) + K.region``;
+    * ``selective``: ``sum(K.saved_op)`` over the calls the policy's cache saves, plus
+      ``sum(t(c) + K.recomputed_op)`` over those it recomputes, plus
+      ``K.selective_region``: the cache's bookkeeping on every call, in forward and in
+      recompute, is what makes ``selective`` slower than ``recompute`` on blocks of many
+      small operators, and counted calls see it;
+    * ``split``: twice ``recompute`` (the block again, then each child again);
+    * ``offload``: the bytes it moves to the host (``offloaded``: what the block keeps
+      under ``keep`` less what it keeps under ``offload``, measured) out and back, at the
+      calibrated copy rate, an upper bound (copies overlap compute on their own stream);
+    * the step: the whole forward's ``sum(t(c) + K.per_op)`` and its backward (twice each
+      call's FLOPs, its bytes again, nothing for a random draw), for the predicted time
+      ratio ``1 + overhead / step_cost``.
+
+    Every term is a function of counts and of cached constants, so it is the same in every
+    process that reads the same calibration (the design note of
+    :mod:`remat.planner.calibration`).
+    """
+    whole, counts = count_blocks(model, blocks, args, kwargs)
+    known: dict[torch.dtype | None, Constants] = {}
+
+    def k(dtype: torch.dtype | None) -> Constants:
+        key = dtype if dtype in CALIBRATED else torch.float32
+        if key not in known:
+            known[key] = constants(device, key, threads)
+        return known[key]
+
+    def run(c: OpCount) -> float:
+        return k(c.dtype).op_seconds(c.kind, c.flops, c.bytes)
+
+    base = k(torch.float32)
+    out: dict[str, dict[str, float]] = {d: {} for d in decisions}
+    for n, calls in counts.items():
+        again = sum(run(c) + k(c.dtype).per_op for c in calls) + base.region
+        sel = base.selective_region + sum(
+            k(c.dtype).saved_op if c.saved else run(c) + k(c.dtype).recomputed_op
+            for c in calls
+        )
+        # a copy counts its source and destination bytes (as the counter counts one, and as
+        # host_rate was calibrated), out and back
+        moved = 4 * (offloaded or {}).get(n, 0)
+        for d in decisions:
+            out[d][n] = {
+                "keep": 0.0,
+                "recompute": again,
+                "selective": sel,
+                "offload": moved / base.host_rate,
+                "split": 2 * again,
+            }[d]
+    step = sum(run(c) + k(c.dtype).per_op + _backward(c, k(c.dtype)) for c in whole)
+    return out, step
 
 
-def _entry(entries: dict[Any, list[Any]], func: Any, i: int) -> Any:
-    calls = entries.get(func, [])
-    return calls[i] if i < len(calls) else None
+def _backward(c: OpCount, k: Constants) -> float:
+    """An operator's share of backward: twice its FLOPs (the gradients of both operands),
+    its bytes again (a pointwise gradient), nothing for a random draw (its mask is kept)."""
+    if c.kind == "random":
+        return 0.0
+    return k.op_seconds(c.kind, 2 * c.flops, c.bytes) + k.per_op
 
 
-class _CallFlops(TorchDispatchMode):
-    """Each operator call's FLOPs (torch's flop formulas), with its index among the calls of
-    that operator: ``(op, index, flops)``."""
-
-    def __init__(self, registry: dict[Any, Any]) -> None:
-        super().__init__()
-        self.registry = registry
-        self.calls: list[tuple[Any, int, float]] = []
-        self.counts: dict[Any, int] = {}
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        i = self.counts.get(func, 0)
-        self.counts[func] = i + 1
-        count = self.registry.get(func.overloadpacket)
-        if count is not None:
-            self.calls.append((func, i, float(count(*args, **kwargs, out_val=out))))
-        return out
-
-
-class _InputGrab:
-    """Forward pre-hook (``with_kwargs=True``) that keeps a block's first inputs, keywords too,
-    and the state the model called it under (autocast inside the model's forward, default
-    dtype and device: :class:`~remat._state.ForwardState`), to run the block alone as it ran."""
-
-    def __init__(self, name: str, store: dict[str, Any]) -> None:
-        self.name = name
-        self.store = store
-
-    def __call__(self, module: Any, args: Any, kwargs: Any) -> None:
-        if self.name not in self.store:
-            state = ForwardState([], preserve_rng_state=False)
-            self.store[self.name] = (args, dict(kwargs), state)
+#: The dtypes calibrated on their own; operators of other dtypes are priced as float32.
+CALIBRATED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -1,0 +1,171 @@
+"""Counted work: each operator a block's forward runs, with its FLOPs and the bytes it moves.
+
+One forward of the model without gradients records every candidate block's inputs; each
+block then runs alone, on those inputs and under the state the model called it under
+(autocast, default dtype), inside the planner's ``selective`` dispatch mode and a counting
+dispatch mode. Every ATen call is one :class:`OpCount`: its FLOPs (torch's formulas,
+``torch.utils.flop_counter``: matmuls, convolutions, attention; 0 for the rest), the bytes
+of its tensor arguments and results (0 for a view, which moves nothing), and whether the
+selective policy serves it from its cache (``saved``) or recomputes it.
+
+Everything here is a function of the model's structure and the inputs' shapes and dtypes:
+the same model and inputs give the same counts in any process, on any machine. The cost
+model (:func:`remat.planner.timing.modelled_costs`) turns them into seconds with the
+device's calibrated constants (:mod:`remat.planner.calibration`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .._selective import RECOMPUTE_ENTRY, create_selective_checkpoint_contexts
+from .._state import ForwardState
+from .._tree import tensors_in
+from ..policies import save_matmuls
+
+
+@dataclasses.dataclass(frozen=True)
+class OpCount:
+    """One operator call: ``kind`` is ``"mm"`` (matmul-like, attention), ``"conv"``
+    (convolution), ``"random"`` (draws random numbers: dropout) or ``"other"``; ``dtype`` the dtype of its first floating tensor
+    argument (``None`` without one); ``saved`` whether the ``selective`` decision's cache
+    serves it in recompute."""
+
+    op: str
+    kind: str
+    dtype: torch.dtype | None
+    flops: float
+    bytes: int
+    saved: bool = False
+
+
+def count_blocks(
+    model: nn.Module, blocks: dict[str, nn.Module], args: Any, kwargs: Any
+) -> tuple[list[OpCount], dict[str, list[OpCount]]]:
+    """The operators of one whole forward of ``model`` (without gradients), and of each block's
+    forward run alone under the selective policy (``saved`` marked)."""
+    inputs: dict[str, Any] = {}
+    handles = [
+        m.register_forward_pre_hook(_InputGrab(n, inputs), with_kwargs=True)
+        for n, m in blocks.items()
+    ]
+    whole = _Counter()
+    try:
+        with torch.no_grad(), quiet(), whole:  # one forward records every block's inputs
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    out: dict[str, list[OpCount]] = {}
+    for n, m in blocks.items():
+        save_mode, _ = create_selective_checkpoint_contexts(save_matmuls(prefer=True))
+        counter = _Counter()
+        block_args, block_kwargs, state = inputs[n]
+        token = state.enter()  # the autocast (dtype, device) state the model called it under
+        try:
+            with torch.no_grad(), quiet(), save_mode, counter:  # the counter sees calls first
+                m(*block_args, **block_kwargs)
+        finally:
+            state.exit(token)
+        entries = save_mode.store.entries  # type: ignore[attr-defined]
+        out[n] = [
+            dataclasses.replace(c, saved=_entry(entries, func, i) is not RECOMPUTE_ENTRY)
+            for c, func, i in counter.calls
+        ]
+    return whole.counts(), out
+
+
+def count_call(fn: Callable[[], Any]) -> list[OpCount]:
+    """The operators ``fn()`` runs (as it runs them: with gradients if enabled)."""
+    counter = _Counter()
+    with counter:
+        fn()
+    return counter.counts()
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Warnings silenced: a model that checkpoints inside with torch's reentrant variant warns
+    that no input requires grad, true in these forwards without gradients and not the
+    user's concern."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _entry(entries: dict[Any, list[Any]], func: Any, i: int) -> Any:
+    calls = entries.get(func, [])
+    return calls[i] if i < len(calls) else RECOMPUTE_ENTRY
+
+
+def _tensor_bytes(tree: Any) -> tuple[int, torch.dtype | None]:
+    found: list[torch.Tensor] = []
+    tensors_in(tree, found)
+    dtype = next((t.dtype for t in found if t.is_floating_point()), None)
+    return sum(t.numel() * t.element_size() for t in found), dtype
+
+
+#: Operators that draw random numbers (dropout's mask): several times slower per byte than
+#: other pointwise operators, so priced at their own rate.
+RANDOM = ("bernoulli", "uniform", "normal", "rand", "dropout", "multinomial", "exponential")
+
+
+def _kind(func: Any, flops: float) -> str:
+    name = func.overloadpacket.__name__
+    if flops <= 0:
+        return "random" if any(r in name for r in RANDOM) else "other"
+    return "conv" if "conv" in name else "mm"
+
+
+class _Counter(TorchDispatchMode):
+    """Each operator call as ``(OpCount, op, index among the calls of that op)``."""
+
+    def __init__(self) -> None:
+        from torch.utils.flop_counter import flop_registry
+
+        super().__init__()
+        self.registry = flop_registry
+        self.calls: list[tuple[OpCount, Any, int]] = []
+        self.seen: dict[Any, int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        i = self.seen.get(func, 0)
+        self.seen[func] = i + 1
+        count = self.registry.get(func.overloadpacket)
+        flops = float(count(*args, **kwargs, out_val=out)) if count is not None else 0.0
+        moved, dtype = _tensor_bytes((args, kwargs))
+        if getattr(func, "is_view", False):
+            moved = 0
+        else:
+            moved += _tensor_bytes(out)[0]
+        c = OpCount(str(func), _kind(func, flops), dtype, flops, moved)
+        self.calls.append((c, func, i))
+        return out
+
+    def counts(self) -> list[OpCount]:
+        return [c for c, _, _ in self.calls]
+
+
+class _InputGrab:
+    """Forward pre-hook (``with_kwargs=True``) that keeps a block's first inputs, keywords too,
+    and the state the model called it under (autocast inside the model's forward, default
+    dtype and device: :class:`~remat._state.ForwardState`), to run the block alone as it ran."""
+
+    def __init__(self, name: str, store: dict[str, Any]) -> None:
+        self.name = name
+        self.store = store
+
+    def __call__(self, module: Any, args: Any, kwargs: Any) -> None:
+        if self.name not in self.store:
+            state = ForwardState([], preserve_rng_state=False)
+            self.store[self.name] = (args, dict(kwargs), state)
