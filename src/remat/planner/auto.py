@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import nn
@@ -27,6 +27,7 @@ from .apply import restore_state, snapshot_state
 from .distributed import active, agree_max, agree_min, agree_profile, agree_same
 from .inputs import Inputs, model_inputs
 from .render import fmt_bytes
+from .shapes import ShapePlans, Shapes, shape_plans
 from .sharded import unsharded_storages
 from .solve import Plan, Profile, plan
 from .state import (
@@ -212,6 +213,7 @@ def check_profile_matches(
         )
 
 
+@overload
 def auto_checkpoint(
     model: nn.Module,
     *args: Any,
@@ -224,8 +226,44 @@ def auto_checkpoint(
     quiet: bool = False,
     profile: Profile | None = None,
     distributed: bool | None = None,
+    shapes: None = None,
     **kwargs: Any,
-) -> Plan:
+) -> Plan: ...
+
+
+@overload
+def auto_checkpoint(
+    model: nn.Module,
+    *args: Any,
+    budget: int | float | str,
+    optimizer: torch.optim.Optimizer | None = None,
+    set_to_none: bool = True,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    check_fn: Callable[[str, nn.Module], bool] | None = None,
+    timer: str = "time",
+    quiet: bool = False,
+    profile: Profile | None = None,
+    distributed: bool | None = None,
+    shapes: Shapes,
+    **kwargs: Any,
+) -> ShapePlans: ...
+
+
+def auto_checkpoint(
+    model: nn.Module,
+    *args: Any,
+    budget: int | float | str,
+    optimizer: torch.optim.Optimizer | None = None,
+    set_to_none: bool = True,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    check_fn: Callable[[str, nn.Module], bool] | None = None,
+    timer: str = "time",
+    quiet: bool = False,
+    profile: Profile | None = None,
+    distributed: bool | None = None,
+    shapes: Shapes | None = None,
+    **kwargs: Any,
+) -> Plan | ShapePlans:
     """Profile, plan for ``budget``, apply in place, and check real steps.
 
     After applying, the first and a later step are measured
@@ -271,11 +309,20 @@ def auto_checkpoint(
             asked for, and each measured peak is the largest over the ranks, so
             every rank re-plans (or gives up) together. The budget is one rank's
             step peak. ``False``: this rank alone.
+        shapes: for batches whose shape varies (variable-length sequences, multi-scale
+            images): a :class:`remat.Shapes` naming the dimension that varies; the example
+            inputs are then the largest batch. The model is profiled at a few sizes, the
+            step model fitted in the size, and before each forward the plan for the batch's
+            size is switched in: the fastest one within ``budget`` at that size (the budget
+            is that of the largest batch's step). A larger batch raises ``PlanError``. See
+            :mod:`remat.planner.shapes`; ``profile`` is then unused.
         **kwargs: keyword inputs of the model.
 
     Returns:
         The applied :class:`Plan` (its ``predicted_peak_bytes`` is the model's
         prediction; the measured peak plus ``scratch_bytes`` is within ``budget_bytes``).
+        With ``shapes``: the :class:`~remat.planner.shapes.ShapePlans`, installed (its
+        ``remove()`` puts the model back).
 
     Raises:
         PlanError: no plan reaches the budget, or the measured peak stays over it.
@@ -296,6 +343,11 @@ def auto_checkpoint(
     check_grad_enabled("remat.auto_checkpoint")
     agree = active(distributed)
     inputs = Inputs(*args, **kwargs)
+    if shapes is not None:
+        return _auto_shapes(
+            model, inputs, shapes, budget, optimizer, set_to_none, loss_fn, check_fn, timer,
+            quiet, distributed,
+        )  # fmt: skip
     if profile is None:
         prof = measure.profile(
             model,
@@ -378,4 +430,62 @@ def auto_checkpoint(
         f"(predicted {fmt_bytes(chosen.predicted_peak_bytes)}); the model was left as it was. "
         "Raise the budget, use a smaller batch, or pick finer blocks (check_fn=...); if the "
         "prediction is far off, please report the model."
+    )
+
+
+def _auto_shapes(
+    model: nn.Module,
+    inputs: Inputs,
+    shapes: Shapes,
+    budget: int | float | str,
+    optimizer: torch.optim.Optimizer | None,
+    set_to_none: bool,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    check_fn: Callable[[str, nn.Module], bool] | None,
+    timer: str,
+    quiet: bool,
+    distributed: bool | None,
+) -> ShapePlans:
+    """``auto_checkpoint(shapes=...)``: the plans of :func:`~remat.planner.shapes.shape_plans`,
+    installed, with real steps at each profiled size measured through the hook (as one plan's
+    are): over the budget, every size is planned again below it by the largest overshoot."""
+    plans = shape_plans(
+        model, inputs, shapes, budget, optimizer=optimizer, set_to_none=set_to_none,
+        loss_fn=loss_fn, check_fn=check_fn, timer=timer, distributed=distributed, quiet=quiet,
+    )  # fmt: skip
+    agree = active(distributed)
+    target = plans.budget_bytes
+    args = (inputs.args, inputs.kwargs)
+    over = 0
+    plans.install()
+    try:
+        for attempt in range(4):
+            over = 0
+            for n in plans.fit.sizes:
+                a, k = shapes.cut(args, plans.largest, n)
+                measured = measure_peak(
+                    model, Inputs(*a, **k), optimizer=optimizer, set_to_none=set_to_none,
+                    loss_fn=loss_fn,
+                )  # fmt: skip
+                if agree:
+                    (measured,) = agree_max([measured])
+                over = max(over, measured + plans.profile_at(n).scratch_bytes - target)
+            if over <= 0:
+                return plans
+            if attempt == 3:
+                break
+            if not quiet:
+                log.warning(
+                    "remat.auto_checkpoint: a measured peak is %d B over the budget %d B; "
+                    "planning every size again for %d B.", over, target, plans.goal - over,
+                )  # fmt: skip
+            plans.replan(plans.goal - over)
+    except BaseException:
+        plans.remove()
+        raise
+    plans.remove()
+    raise PlanError(
+        f"remat.auto_checkpoint: with shapes=, a measured step peak stays {over} bytes over the "
+        f"budget {fmt_bytes(target)} ({target} bytes) after re-planning; the model was left as "
+        "it was. Raise the budget or pick finer blocks (check_fn=...)."
     )
