@@ -214,6 +214,7 @@ class ShapePlans:
             units of :func:`remat.measure_peak`).
         fit: the profiles and their fit (:class:`~remat.planner.shapefit.ShapeFit`).
         measured: sizes profiled when a batch of them came, where the fit was not trusted.
+        applied: the plan the last forward ran with (``None`` before the first).
     """
 
     def __init__(
@@ -242,6 +243,7 @@ class ShapePlans:
         self._blocks = {n: model.get_submodule(n) for n in blocks}
         self._wrapping = snapshot_state(self._blocks)
         self._applied: Any = None
+        self.applied: Plan | None = None
         self._busy = False
         self._handle: Any = None
 
@@ -322,6 +324,7 @@ class ShapePlans:
         if key != self._applied:
             chosen.apply(self.model)
             self._applied = key
+        self.applied = chosen
         return chosen
 
     def replan(self, goal: int) -> None:
