@@ -116,7 +116,7 @@ def _varying(rank: int, make) -> dict:
         assert plans.applied is not None
         steps.append(
             {
-                "decisions": dict(plans.applied.decisions),
+                "decisions": {k: str(v) for k, v in plans.applied.decisions.items()},
                 "spans": plans.applied.spans,
                 "grads": grads,
                 "ref": _grads(reference, x, seed=step),

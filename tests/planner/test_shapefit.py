@@ -100,3 +100,12 @@ def test_profiles_of_different_blocks_refuse_to_fit():
         ShapeFit({4: a, 2: b})
     with pytest.raises(PlanError, match="two or more sizes"):
         ShapeFit({4: a})
+
+
+def test_sizes_checked_with_flops_fit_profiles_timed_in_seconds():
+    # the checks count FLOPs (the cheapest steps); the knots are timed: bytes are the same
+    model, x = GPT(n=2, d=16), torch.randn(2, 32, 16)
+    fit = ShapeFit({n: remat.profile(model, x[:, :n].clone(), repeats=1) for n in (8, 16, 32)})
+    fit.refine(lambda n: remat.profile(model, x[:, :n].clone(), timer="flops"), limit=1)
+    assert fit.knots == [8, 16, 24, 32]
+    assert fit.at(20).cost_unit == "s"

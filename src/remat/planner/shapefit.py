@@ -99,8 +99,9 @@ def _rebuilt(obj: Any, prefix: str, values: Mapping[str, int | float]) -> Any:
 
 def _structure(prof: ProfileData) -> tuple[object, ...]:
     """What must be the same at every size: the blocks, decisions, options and the keys of
-    every dict of terms (:func:`~remat.planner.distributed.structure`), shapes apart."""
-    return structure(dataclasses.replace(prof, input_shapes=[]))
+    every dict of terms (:func:`~remat.planner.distributed.structure`), shapes and the unit
+    of times apart (the bytes of a profile counting FLOPs are those of one timing steps)."""
+    return structure(dataclasses.replace(prof, input_shapes=[], cost_unit=""))
 
 
 def interpolate(knots: Sequence[tuple[int, int | float]], x: int) -> Fraction:

@@ -337,7 +337,11 @@ class ShapePlans:
     def install(self) -> None:
         """Register the forward pre-hook that switches plans (:class:`ShapeSwitch`)."""
         if self._handle is None:
-            self._handle = self.model.register_forward_pre_hook(ShapeSwitch(self), with_kwargs=True)
+            # First of the model's pre-hooks: a size profiled now (the fit not trusted there)
+            # runs whole steps, which must end before FSDP2's root gathers its parameters.
+            self._handle = self.model.register_forward_pre_hook(
+                ShapeSwitch(self), with_kwargs=True, prepend=True
+            )
 
     def remove(self) -> None:
         """Remove the hook and put the blocks' wrapping back as it was before planning."""
