@@ -1,5 +1,6 @@
-"""benchmarks/varlen.py: its quick run goes through the whole script (three runs, the JSON the
-issue asks for); no timing is asserted."""
+"""benchmarks/varlen.py and varlen_interleaved.py: their quick runs go through the whole
+scripts (three runs, the JSON the issue asks for; both plans of each batch back to back); no
+timing is asserted."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import os
 import pathlib
 import subprocess
 import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -32,3 +35,20 @@ def test_quick_run_writes_every_field_within_budget_and_bitwise(tmp_path):
         assert run["grads_bitwise"] is True
     assert all(s["peak_bytes"] <= budget for s in result["adaptive"]["steps"])
     assert result["summary"]["steps_over_budget"]["adaptive"] == 0
+
+
+@pytest.mark.slow  # two scripts, each planning the quick GPT
+def test_interleaved_quick_run_times_both_plans_of_every_batch(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    first, out = tmp_path / "varlen.json", tmp_path / "interleaved.json"
+    script = ROOT / "benchmarks"
+    run = [sys.executable, str(script / "varlen.py"), "--quick", "--json", str(first)]
+    subprocess.run(run, check=True, env=env, capture_output=True, timeout=300)
+    run = [sys.executable, str(script / "varlen_interleaved.py"), "--quick", "--from", str(first),
+           "--json", str(out)]  # fmt: skip
+    subprocess.run(run, check=True, env=env, capture_output=True, timeout=300)
+    result = json.loads(out.read_text())
+    lengths = json.loads(first.read_text())["workload"]["lengths"]
+    assert [s["tokens"] for s in result["steps"]] == lengths
+    assert all(s["adaptive"] > 0 and s["longest"] > 0 for s in result["steps"])
+    assert set(result["longest_plan"]["decisions"]) == {"blocks.0", "blocks.1", "blocks.2"}
