@@ -297,9 +297,7 @@ class ShapeFit:
         while True:
             self._certify(multiple)
             knots = self.knots
-            todo = [
-                (a, b) for a, b in zip(knots, knots[1:]) if (a, b) not in self._certified
-            ]
+            todo = [(a, b) for a, b in zip(knots, knots[1:]) if (a, b) not in self._certified]
             if not todo or spent >= limit:
                 return out
             a, b = min(todo, key=lambda ab: (ab[0] - ab[1], -ab[1]))  # widest, then largest
