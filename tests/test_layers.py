@@ -35,6 +35,8 @@ PLANNER_LAYERS = [
     "timing",
     "probes",
     "measure",
+    "shapefit",
+    "shapes",
     "auto",
     "__init__",
 ]

@@ -23,6 +23,8 @@ EXPECTED_ALL = [
     "Report",
     "SAC_IGNORED_OPS",
     "SelectiveCheckpointContext",
+    "ShapePlans",
+    "Shapes",
     "apply_activation_checkpointing",
     "auto_checkpoint",
     "check_backward_validity",

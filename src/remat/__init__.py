@@ -32,7 +32,17 @@ from ._sequential import checkpoint_sequential
 from ._state import DefaultDeviceType, get_device_states, set_device_states
 from ._verify import Report, verify
 from ._wrap import apply_activation_checkpointing, checkpoint_wrapper, offload_wrapper, unwrap
-from .planner import Inputs, Plan, Profile, auto_checkpoint, measure_peak, plan, profile
+from .planner import (
+    Inputs,
+    Plan,
+    Profile,
+    ShapePlans,
+    Shapes,
+    auto_checkpoint,
+    measure_peak,
+    plan,
+    profile,
+)
 from .policies import CheckpointPolicy
 
 __version__ = "0.1.0.dev0"
@@ -55,6 +65,8 @@ __all__ = [
     "Report",
     "SAC_IGNORED_OPS",
     "SelectiveCheckpointContext",
+    "ShapePlans",
+    "Shapes",
     "apply_activation_checkpointing",
     "auto_checkpoint",
     "check_backward_validity",

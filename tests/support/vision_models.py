@@ -293,3 +293,31 @@ class MobileNetV3(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
+
+
+class ConvResBlock(nn.Module):
+    """Two 3x3 convs at stride 1 with a BatchNorm between and a skip: maps of the image's size."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1)
+        self.bn = nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv2(F.relu(self.bn(self.conv1(x))))
+
+
+class ConvChain(nn.Module):
+    """A stem, ``n`` :class:`ConvResBlock` s and a pooled linear head whose loss it returns: a
+    CNN whose activations grow with the image's area (any square size)."""
+
+    def __init__(self, c: int = 8, n: int = 3, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.blocks = nn.Sequential(*[ConvResBlock(c) for _ in range(n)])
+        self.fc = nn.Linear(c, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.blocks(self.stem(x)).mean((2, 3))).square().mean()

@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import importlib
 import importlib.util
+import json
 import sys
 from typing import Any
 
@@ -29,8 +30,10 @@ import torch
 from .._errors import PlanError
 from .._modelinfo import device_of
 from ..planner import advice
+from ..planner.inputs import Inputs
 from ..planner.measure import profile
 from ..planner.render import fmt_bytes as _fmt
+from ..planner.shapes import Shapes, shape_plans
 from ..planner.solve import plan
 from ..planner.stepmodel import parse_budget
 from ._factory import add_target_arguments
@@ -96,6 +99,15 @@ def add_parser(sub: Any) -> None:
         help="also apply the plan and run remat explain's boundary diagnostics on one "
         "instrumented step (two more steps)",
     )
+    p.add_argument(
+        "--shapes",
+        metavar="DIMS[:MULTIPLE]",
+        default=None,
+        help="batches vary along these input dimensions (1: the sequence of (batch, seq) "
+        "tokens; 2,3: square images), the example being the largest: plan every size up to "
+        "it (remat.Shapes), printing the plan at each profiled size; MULTIPLE rounds sizes up "
+        "to buckets (default 1)",
+    )
     p.add_argument("--json", metavar="FILE", default=None, help="also write the plan as JSON")
     p.set_defaults(run=main)
 
@@ -127,6 +139,32 @@ def _check(args: argparse.Namespace) -> None:
         )
     if args.json is not None:
         check_output_path("--json", args.json)
+    if args.shapes is not None:
+        args.shapes = parse_shapes(args.shapes)
+        if args.diagnose:
+            raise UsageError(
+                "--diagnose runs on one batch shape: leave it out with --shapes, and run "
+                "remat explain on a batch to see its warnings."
+            )
+
+
+def parse_shapes(text: str) -> Shapes:
+    """``--shapes DIMS[:MULTIPLE]`` as a :class:`remat.Shapes` (``"1"``, ``"2,3:32"``).
+
+    Example:
+        >>> parse_shapes("2,3:32")
+        Shapes(dims=(2, 3), sizes=(), multiple=32, larger='error', checks=4)
+    """
+    dims, _, multiple = text.partition(":")
+    try:
+        return Shapes(
+            dims=tuple(int(d) for d in dims.split(",")), multiple=int(multiple) if multiple else 1
+        )
+    except ValueError as e:
+        raise UsageError(
+            f"--shapes {text!r}: expected DIMS[:MULTIPLE], dimensions separated by commas "
+            f"(1, or 2,3:32); {str(e).removeprefix('remat.Shapes: ')}"
+        ) from None
 
 
 def main(args: argparse.Namespace) -> int:
@@ -151,6 +189,8 @@ def main(args: argparse.Namespace) -> int:
                 device = device_of(model, example)
                 region = torch.autocast(device.type, dtype=AUTOCAST[args.autocast])
             with region:
+                if args.shapes is not None:
+                    return _plan_shapes(args, model, example, opt, region)
                 prof = profile(
                     model,
                     *example,
@@ -158,6 +198,8 @@ def main(args: argparse.Namespace) -> int:
                     set_to_none=not args.keep_grads,
                     timer=args.timer,
                 )
+        except UsageError:  # --shapes: no plan meets the budget at some size
+            raise
         except Exception as e:  # the model cannot be run or planned as given
             if isinstance(e, PlanError) or str(e).startswith("remat."):
                 raise RunError(str(e)) from None  # remat's own message says what to change
@@ -192,4 +234,27 @@ def main(args: argparse.Namespace) -> int:
     except RunError as e:
         print(f"remat plan: error: {e}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _plan_shapes(args: argparse.Namespace, model: Any, example: Any, opt: Any, region: Any) -> int:
+    """``--shapes``: the plans at every profiled size (the example is the largest batch)."""
+    try:
+        plans = shape_plans(
+            model, Inputs(*example), args.shapes, args.budget, optimizer=opt,
+            set_to_none=not args.keep_grads, loss_fn=None, check_fn=None, timer=args.timer,
+            distributed=None,
+        )  # fmt: skip
+        chosen = {n: plans.plan_for(n) for n in plans.fit.knots}
+    except PlanError as e:
+        raise UsageError(str(e)) from None
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    print(plans)
+    for n, p in chosen.items():
+        print(f"\nat size {n}:")
+        print(p)
+    if args.json is not None:
+        data = {str(n): json.loads(p.to_json()) for n, p in chosen.items()}
+        write_text("--json", args.json, json.dumps(data, indent=2))
     return 0

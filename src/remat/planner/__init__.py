@@ -2,8 +2,8 @@
 
 Data flows one way, each module importing only those before it::
 
-    types ──> stepmodel ──> chain ──> perblock ──> solve ──> probes ──> measure ──> auto
-    (data)    (every term)  (DP)      (MILP/DP)   (plan())  (hooks)    (profile()) (auto_checkpoint)
+    types ──> stepmodel ──> chain ──> perblock ──> solve ──> probes ──> measure ──> shapes ──> auto
+    (data)    (every term)  (DP)      (MILP/DP)   (plan())  (hooks)    (profile()) (varying)  (auto_checkpoint)
                    render (text) and apply (modules) sit beside them, under solve
 
 * :mod:`.types`: the vocabulary as types: :class:`~.types.Decision` (an enum),
@@ -25,6 +25,10 @@ Data flows one way, each module importing only those before it::
 * :mod:`.probes`: the recording hooks (named classes) the profile's steps run with;
   :mod:`.measure`: :func:`profile`, a short pipeline of those steps that records raw
   :class:`~.types.Measurements`.
+* :mod:`.shapefit`: the step model as a function of a varying size (profiles at a few
+  sizes, every byte term fitted exactly, checked between them); :mod:`.shapes`:
+  :class:`Shapes` (``auto_checkpoint(shapes=...)``) and :class:`ShapePlans`, the plan for
+  each batch's size switched in before its forward.
 * :mod:`.auto`: :func:`auto_checkpoint` and :func:`measure_peak`; :mod:`.inputs`: the
   model's inputs apart from the options (:class:`Inputs`).
 * Beside them: :mod:`.state` (what a step changes, put back; the bytes a step starts
@@ -55,6 +59,17 @@ Words, each with one meaning here:
 from .auto import auto_checkpoint, measure_peak
 from .inputs import Inputs
 from .measure import profile
+from .shapes import ShapePlans, Shapes
 from .solve import Plan, Profile, plan
 
-__all__ = ["Inputs", "Plan", "Profile", "auto_checkpoint", "measure_peak", "plan", "profile"]
+__all__ = [
+    "Inputs",
+    "Plan",
+    "Profile",
+    "ShapePlans",
+    "Shapes",
+    "auto_checkpoint",
+    "measure_peak",
+    "plan",
+    "profile",
+]

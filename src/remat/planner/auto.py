@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import nn
@@ -27,6 +27,7 @@ from .apply import restore_state, snapshot_state
 from .distributed import active, agree_max, agree_min, agree_profile, agree_same
 from .inputs import Inputs, model_inputs
 from .render import fmt_bytes
+from .shapes import ShapePlans, Shapes, shape_plans
 from .sharded import unsharded_storages
 from .solve import Plan, Profile, plan
 from .state import (
@@ -212,6 +213,7 @@ def check_profile_matches(
         )
 
 
+@overload
 def auto_checkpoint(
     model: nn.Module,
     *args: Any,
@@ -225,8 +227,45 @@ def auto_checkpoint(
     profile: Profile | None = None,
     distributed: bool | None = None,
     diagnose: bool = False,
+    shapes: None = None,
     **kwargs: Any,
-) -> Plan:
+) -> Plan: ...
+
+
+@overload
+def auto_checkpoint(
+    model: nn.Module,
+    *args: Any,
+    budget: int | float | str,
+    optimizer: torch.optim.Optimizer | None = None,
+    set_to_none: bool = True,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    check_fn: Callable[[str, nn.Module], bool] | None = None,
+    timer: str = "time",
+    quiet: bool = False,
+    profile: Profile | None = None,
+    distributed: bool | None = None,
+    shapes: Shapes,
+    **kwargs: Any,
+) -> ShapePlans: ...
+
+
+def auto_checkpoint(
+    model: nn.Module,
+    *args: Any,
+    budget: int | float | str,
+    optimizer: torch.optim.Optimizer | None = None,
+    set_to_none: bool = True,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    check_fn: Callable[[str, nn.Module], bool] | None = None,
+    timer: str = "time",
+    quiet: bool = False,
+    profile: Profile | None = None,
+    distributed: bool | None = None,
+    diagnose: bool = False,
+    shapes: Shapes | None = None,
+    **kwargs: Any,
+) -> Plan | ShapePlans:
     """Profile, plan for ``budget``, apply in place, and check real steps.
 
     After applying, the first and a later step are measured
@@ -278,11 +317,21 @@ def auto_checkpoint(
             ``Plan.diagnostics``. Without it the plan carries the warnings the planner
             knows without a step (:mod:`remat.planner.advice`: blocks checkpointed
             already, a peak in the loss head).
+
+        shapes: for batches whose shape varies (variable-length sequences, multi-scale
+            images): a :class:`remat.Shapes` naming the dimension that varies; the example
+            inputs are then the largest batch. The model is profiled at a few sizes, the
+            step model fitted in the size, and before each forward the plan for the batch's
+            size is switched in: the fastest one within ``budget`` at that size (the budget
+            is that of the largest batch's step). A larger batch raises ``PlanError``. See
+            :mod:`remat.planner.shapes`; ``profile`` is then unused.
         **kwargs: keyword inputs of the model.
 
     Returns:
         The applied :class:`Plan` (its ``predicted_peak_bytes`` is the model's
         prediction; the measured peak plus ``scratch_bytes`` is within ``budget_bytes``).
+        With ``shapes``: the :class:`~remat.planner.shapes.ShapePlans`, installed (its
+        ``remove()`` puts the model back).
 
     Raises:
         PlanError: no plan reaches the budget, or the measured peak stays over it.
@@ -303,6 +352,17 @@ def auto_checkpoint(
     check_grad_enabled("remat.auto_checkpoint")
     agree = active(distributed)
     inputs = Inputs(*args, **kwargs)
+    if shapes is not None:
+        if diagnose:
+            raise ValueError(
+                "remat.auto_checkpoint: diagnose=True runs on one batch shape, got it with "
+                "shapes=...: leave it out, and call remat.explain(model, batch) on a batch "
+                "after planning to see its warnings."
+            )
+        return _auto_shapes(
+            model, inputs, shapes, budget, optimizer, set_to_none, loss_fn, check_fn, timer,
+            quiet, distributed,
+        )  # fmt: skip
     if profile is None:
         prof = measure.profile(
             model,
@@ -390,3 +450,61 @@ def auto_checkpoint(
         "prediction is far off, please report the model."
     )
 
+
+
+def _auto_shapes(
+    model: nn.Module,
+    inputs: Inputs,
+    shapes: Shapes,
+    budget: int | float | str,
+    optimizer: torch.optim.Optimizer | None,
+    set_to_none: bool,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    check_fn: Callable[[str, nn.Module], bool] | None,
+    timer: str,
+    quiet: bool,
+    distributed: bool | None,
+) -> ShapePlans:
+    """``auto_checkpoint(shapes=...)``: the plans of :func:`~remat.planner.shapes.shape_plans`,
+    installed, with real steps at each profiled size measured through the hook (as one plan's
+    are): over the budget, every size is planned again below it by the largest overshoot."""
+    plans = shape_plans(
+        model, inputs, shapes, budget, optimizer=optimizer, set_to_none=set_to_none,
+        loss_fn=loss_fn, check_fn=check_fn, timer=timer, distributed=distributed, quiet=quiet,
+    )  # fmt: skip
+    agree = active(distributed)
+    target = plans.budget_bytes
+    args = (inputs.args, inputs.kwargs)
+    over = 0
+    plans.install()
+    try:
+        for attempt in range(4):
+            over = 0
+            for n in plans.fit.sizes:
+                a, k = shapes.cut(args, plans.largest, n)
+                measured = measure_peak(
+                    model, Inputs(*a, **k), optimizer=optimizer, set_to_none=set_to_none,
+                    loss_fn=loss_fn,
+                )  # fmt: skip
+                if agree:
+                    (measured,) = agree_max([measured])
+                over = max(over, measured + plans.profile_at(n).scratch_bytes - target)
+            if over <= 0:
+                return plans
+            if attempt == 3:
+                break
+            if not quiet:
+                log.warning(
+                    "remat.auto_checkpoint: a measured peak is %d B over the budget %d B; "
+                    "planning every size again for %d B.", over, target, plans.goal - over,
+                )  # fmt: skip
+            plans.replan(plans.goal - over)
+    except BaseException:
+        plans.remove()
+        raise
+    plans.remove()
+    raise PlanError(
+        f"remat.auto_checkpoint: with shapes=, a measured step peak stays {over} bytes over the "
+        f"budget {fmt_bytes(target)} ({target} bytes) after re-planning; the model was left as "
+        "it was. Raise the budget or pick finer blocks (check_fn=...)."
+    )
