@@ -173,3 +173,11 @@ def test_a_budget_under_a_loss_head_floor_says_to_chunk_the_loss():
     prof = remat.profile(model, x, y, timer="flops")
     with pytest.raises(remat.PlanError, match="Compute the loss in chunks"):
         remat.plan(prof, prof.floor_bytes - 1)
+
+
+def test_diagnose_with_batches_of_varying_shape_is_refused_saying_what_to_do():
+    model = _blocks_with_inner_checkpoints()
+    with pytest.raises(ValueError, match=r"diagnose=True runs on one batch shape.*remat\.explain"):
+        remat.auto_checkpoint(
+            model, torch.randn(16, 8), budget="100%", diagnose=True, shapes=remat.Shapes(dims=0)
+        )
