@@ -4,7 +4,8 @@ A few instrumented training steps of the default loop (see
 :mod:`remat.planner.stepmodel`), all from the same RNG state, in a short pipeline:
 
 1. one warm-up step (lazy modules, allocator and kernels warm up; :class:`~.probes.CallCount`
-   checks that every candidate block runs once per forward: the planner models a chain);
+   checks that every candidate block runs once per forward, and records the order forward
+   calls them in: the planner models a chain, in that order, whatever the module tree's);
 2. one forward without gradients (:func:`~.probes.kept_outputs`) and, on a device,
    forwards that find which block inputs a span may offload (:func:`~.probes.offload_inputs`);
 3. one step under ``torch.profiler`` for the scratch inside operators
@@ -123,7 +124,8 @@ def profile(
         loss_fn: output -> scalar loss; default: the output's ``loss`` (entry or attribute: a
             model that computes its own loss), else the sum of its floating outputs.
         check_fn: ``check_fn(name, module)`` picks the candidate blocks;
-            default: the children of the largest ``ModuleList``/``Sequential``.
+            default: the repeated blocks of every stack (:mod:`remat._blocks`). The
+            profile takes them in the order the warm-up step's forward first calls them.
         decisions: what to measure; default ``keep``, ``recompute``,
             ``selective``, ``offload`` on a device, and ``split`` (the block
             checkpointed with each of its children nested inside, below the
@@ -327,6 +329,9 @@ def _measure(
     with BlockHooks(modules, calls):
         step()  # warm-up; with set_to_none=False its gradients stay for every later step
     calls.check()
+    names = calls.in_call_order()  # the chain the step model plans: the order forward runs
+    blocks = {nm: blocks[nm] for nm in names}
+    modules = list(blocks.values())
     kept = kept_outputs(model, modules, step.args, step.kwargs, step.state)
     offload = [0] * n, [0] * n
     if OFFLOAD in decisions and n >= 2:

@@ -269,6 +269,11 @@ class Timeline:
     #: forward window that the end freed (autocast's cached casts of its weights).
     top_pre_peak: int | None = None
     exit_freed: list[int] = dataclasses.field(default_factory=list)
+    #: Per block but the last, the bytes of its outputs that the next block did not receive
+    #: (the blocks are not one chain there: two towers), alive when the last block returns
+    #: and dead when the block's backward starts (the model's head used them and freed
+    #: them). Empty: not recorded.
+    outputs_freed: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
