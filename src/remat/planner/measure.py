@@ -8,8 +8,8 @@ A few instrumented training steps of the default loop (see
    calls them in: the planner models a chain, in that order, whatever the module tree's);
 2. one forward without gradients (:func:`~.probes.kept_outputs`) and, on a device,
    forwards that find which block inputs a span may offload (:func:`~.probes.offload_inputs`);
-3. one step under ``torch.profiler`` for the scratch inside operators
-   (:mod:`remat.planner.scratch`);
+3. one step under ``torch.profiler`` for the scratch inside operators, per window of the
+   step (:mod:`remat.planner.scratch`, :class:`~.probes.WindowMarks`);
 4. per decision one memory step, every candidate block under that decision, whose bytes
    are read at the boundaries of contiguous windows (:class:`~.probes.TimelineProbe`);
    gradients start as ``None`` (or kept, with ``set_to_none=False``), as in the user's
@@ -54,10 +54,11 @@ from .probes import (
     CallCount,
     InputFrees,
     TimelineProbe,
+    WindowMarks,
     kept_outputs,
     offload_inputs,
 )
-from .scratch import operator_scratch
+from .scratch import window_scratch
 from .sharded import is_ddp, reshard, unsharded_storages
 from .solve import Profile
 from .state import (
@@ -192,8 +193,12 @@ def profile(
     first, later, opt_state = opt_terms
     shapes: list[torch.Tensor] = []
     tensors_in((args, kwargs), shapes)
+    costs = derive_blocks(m)
+    where = scratch or {}  # the scratch inside operators per window (None: not measured)
+    for i, b in enumerate(costs):
+        b.fwd_scratch, b.bwd_scratch = where.get(f"fwd:{i}", 0), where.get(f"bwd:{i}", 0)
     prof = Profile(
-        blocks=derive_blocks(m),
+        blocks=costs,
         top=keep_line.top_peak,
         pre=keep_line.pre_peak,
         decisions=list(chosen),
@@ -213,9 +218,12 @@ def profile(
         end_grads=keep_line.end_grads,
         top_grads=keep_line.top_grads,
         chained=calls.chained,
-        scratch_bytes=scratch,
+        scratch_bytes=max(where.values(), default=0),
         kept_outputs=kept,
         shared_bytes=step.shared,
+        scratch_located=scratch is not None,
+        pre_scratch=where.get("pre", 0),
+        top_scratch=where.get("top", 0),
     )
     return agree_profile(prof) if agree else prof
 
@@ -321,7 +329,9 @@ def _measure(
     decisions: list[Decision],
     timer: str,
     repeats: int,
-) -> tuple[Measurements, tuple[int, int, int], int, CallCount, list[bool]]:
+) -> tuple[
+    Measurements, tuple[int, int, int], dict[str, int] | None, CallCount, list[bool]
+]:
     """Steps 1-5 of the module docstring."""
     model, names, modules = step.model, list(blocks), list(blocks.values())
     n = len(names)
@@ -340,7 +350,8 @@ def _measure(
     if is_ddp(model):  # DDP rebuilds its buckets in the second step: not in a measured one
         step()
     step.clear_grads()
-    scratch = operator_scratch(step, step.device)
+    with BlockHooks(modules, WindowMarks(n)):
+        scratch = window_scratch(step, step.device)
     storages = unsharded_storages(model)
     step.grad_bytes = grad_bytes(step.state.grad_params, step.counted)
     splittable = {nm for nm, mod in blocks.items() if can_split(mod)}

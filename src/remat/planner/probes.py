@@ -14,6 +14,8 @@ probes only record; :mod:`remat.planner.stepmodel` turns what they record into t
   (before the blocks, each block's forward, head and loss, each block's backward) into a
   :class:`~remat.planner.types.Timeline`, on :mod:`remat.memory`'s windows, and the
   outputs the next block did not receive that die before their block's backward.
+* :class:`WindowMarks`: the same windows' boundaries in a profiler's events (the scratch
+  inside operators, counted where it happens).
 * :class:`InputFrees`: block outputs the next block frees, block inputs alive to the end of
   forward, tensors passed to several blocks.
 * :class:`KeptOutputs` (:func:`kept_outputs`): outputs the model's own code keeps past the
@@ -40,6 +42,7 @@ from .._tree import tensors_in
 from ..memory import BlockHooks
 from .amp import fresh_region
 from .apply import apply_decision
+from .scratch import mark_window
 from .state import StepState, grad_bytes
 from .types import Decision, Timeline
 
@@ -287,10 +290,38 @@ class TimelineProbe:
         self.tracker.close_window(self.window)
 
 
+class WindowMarks:
+    """Marks the boundaries of the step's windows, the :class:`TimelineProbe`'s (block
+    ``i``'s forward, ``top``, block ``i``'s backward), in a running profiler's events
+    (:func:`~remat.planner.scratch.mark_window`), so the scratch inside operators is
+    counted in the window it happens in (:func:`~remat.planner.scratch.window_scratch`)."""
+
+    def __init__(self, n: int) -> None:
+        self.last = n - 1
+        self.seen: set[int] = set()
+
+    def before(self, i: int, args: Any, kwargs: Any) -> None:
+        mark_window(f"fwd:{i}")
+
+    def after(self, i: int, args: Any, kwargs: Any, out: Any) -> None:
+        if i == self.last:
+            mark_window("top")
+        outs: list[torch.Tensor] = []
+        tensors_in(out, outs)
+        outs = [t for t in outs if t.requires_grad]
+        if outs:
+            torch.autograd.graph.register_multi_grad_hook(outs, BackwardStart(self, i), mode="any")
+
+    def backward_start(self, i: int) -> None:
+        if i not in self.seen:
+            self.seen.add(i)
+            mark_window(f"bwd:{i}")
+
+
 class BackwardStart:
     """Gradient hook on a block's outputs: its backward window starts."""
 
-    def __init__(self, probe: TimelineProbe, i: int) -> None:
+    def __init__(self, probe: TimelineProbe | WindowMarks, i: int) -> None:
         self.probe = probe
         self.i = i
 
