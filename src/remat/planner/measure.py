@@ -350,6 +350,8 @@ def _measure(
     if is_ddp(model):  # DDP rebuilds its buckets in the second step: not in a measured one
         step()
     step.clear_grads()
+    for mod in modules:  # the scratch of each window with every block kept, whatever the
+        apply_decision(mod, KEEP)  # model's own wrapping (put back by the caller)
     with BlockHooks(modules, WindowMarks(n)):
         scratch = window_scratch(step, step.device)
     storages = unsharded_storages(model)
