@@ -344,14 +344,21 @@ def _measure(
     modules = list(blocks.values())
     kept = kept_outputs(model, modules, step.args, step.kwargs, step.state)
     offload = [0] * n, [0] * n
-    if OFFLOAD in decisions and n >= 2:
+    probed = OFFLOAD in decisions and n >= 2
+    if probed:
         before = [d for d in (KEEP, SELECTIVE) if d in decisions]
         offload = offload_inputs(model, modules, step.args, step.kwargs, step.state, before)
     if is_ddp(model):  # DDP rebuilds its buckets in the second step: not in a measured one
         step()
     step.clear_grads()
-    for mod in modules:  # the scratch of each window with every block kept, whatever the
-        apply_decision(mod, KEEP)  # model's own wrapping (put back by the caller)
+    # The scratch of each window with the blocks kept, whatever the model's own wrapping (put
+    # back by the caller). After the offload probes the blocks stay as their last forward
+    # left them (some checkpointed: their forward's scratch is then also counted in their
+    # backward window, never low); unwrapping them there would change the steps a
+    # simulated device's copy timing depends on.
+    for nm, state in snapshot_state(blocks).items():
+        if not probed and any(st for _, st in state):
+            apply_decision(blocks[nm], KEEP)
     with BlockHooks(modules, WindowMarks(n)):
         scratch = window_scratch(step, step.device)
     storages = unsharded_storages(model)
