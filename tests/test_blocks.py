@@ -291,13 +291,31 @@ def test_in_call_order_puts_blocks_not_called_last():
     assert in_call_order(model, ["block2", "block1"], (torch.randn(1, 8),)) == ["block1", "block2"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="remat.profile takes the blocks in tree order; ordering them with "
-    "remat._modelinfo.in_call_order adds a forward that moves the simulated device's copy "
-    "timing (offload plans then mispredicted there); to be recorded in the warm-up step",
-)
 def test_profile_takes_default_blocks_in_call_order():
+    # the order is recorded in the profile's warm-up step: the same profile as the model
+    # whose tree is in call order (which blocks are chained, every term)
+    x = torch.randn(2, 3, 16, 16)
     torch.manual_seed(0)
-    prof = remat.profile(UNet(up_first=True), torch.randn(2, 3, 16, 16), timer="flops")
+    prof = remat.profile(UNet(up_first=True), x, timer="flops")
+    torch.manual_seed(0)
+    tree = remat.profile(UNet(), x, timer="flops")
     assert [b.name for b in prof.blocks] == default_blocks(UNet())
+    assert prof.chained == tree.chained and prof.kept_outputs == tree.kept_outputs
+    assert prof.blocks == tree.blocks
+
+
+def test_profile_records_chained_blocks_in_call_order():
+    class Reversed(nn.Module):  # registered a, b, c; called c, b, a
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(Block() for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.layers[2](x)
+            x = self.layers[1](x) * 2  # the model's code between layers.1 and layers.0
+            return self.layers[0](x)
+
+    torch.manual_seed(0)
+    prof = remat.profile(Reversed(), torch.randn(4, 8), timer="flops")
+    assert [b.name for b in prof.blocks] == ["layers.2", "layers.1", "layers.0"]
+    assert prof.chained == [True, False]

@@ -4,8 +4,8 @@ One rule, shared by the planner (:func:`remat.profile` through
 :func:`remat._modelinfo.candidates`) and by :func:`remat.apply_activation_checkpointing`.
 It reads the module tree only (no forward), so the wrappers, which get no inputs, use it
 as the planner does; :func:`remat._modelinfo.in_call_order` puts its names in the order one
-forward calls them (the planner models the blocks as a chain; :func:`remat.profile` takes
-them in tree order for now).
+forward calls them (the planner models the blocks as a chain; :func:`remat.profile` records
+that order in its warm-up step and takes the blocks in it).
 
 The rule
 --------

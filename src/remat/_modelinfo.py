@@ -39,8 +39,8 @@ def candidates(
 ) -> list[str]:
     """Names of the candidate blocks: those ``check_fn(name, module)`` selects (the outermost
     ones), else the repeated blocks of every stack (:func:`remat._blocks.default_blocks`), in
-    the order of the model's tree (:func:`remat._blocks.in_call_order` puts them in the
-    order forward calls them)."""
+    the order of the model's tree (:func:`in_call_order` puts them in the order forward
+    calls them; :func:`remat.profile` records that order in its warm-up step)."""
     if check_fn is None:
         names = default_blocks(model)
     else:

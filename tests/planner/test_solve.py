@@ -105,9 +105,9 @@ def test_percentage_budget_is_static_plus_that_share_of_the_rest(adamw_profile, 
             remat.plan(prof, f"{pct}%")
         return
     p = remat.plan(prof, f"{pct}%")
-    # the scratch inside operators is on top of the share, as the static bytes are
+    # the largest scratch inside operators is on top of the share, as the static bytes are
     assert p.budget_bytes == expected + prof.scratch_bytes
-    assert p.predicted_peak_bytes <= expected
+    assert p.predicted_peak_bytes + p.scratch_bytes <= p.budget_bytes
     if pct >= 100:
         assert set(p.decisions.values()) == {"keep"}
         assert p.predicted_peak_bytes == unchecked

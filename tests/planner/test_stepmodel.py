@@ -21,6 +21,7 @@ from torch import nn
 import remat
 from remat.planner.apply import apply_decision
 from remat.planner.auto import step_peaks
+from remat.planner.stepmodel import allocator_peak
 from tests.support.plans import make_model, make_optimizer, wide_mlp
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -111,23 +112,26 @@ def test_predicted_step_peak_equals_measured_for_every_plan_and_chosen_plans_fit
     # peak: measured within the budget, and the cheapest plan that really fits (the model is
     # exact). The grid is of per-block plans, hence spans=False.
     peaks = {ds: max(m) for ds, m in measured.items()}
-    floor = min(peaks.values())
-    unchecked = peaks[("keep",) * len(prof.blocks)]
-    assert prof.unchecked_peak_bytes == unchecked
+    assert prof.unchecked_peak_bytes == peaks[("keep",) * len(prof.blocks)]
+    # a plan keeps the tensors' peak plus the scratch inside operators of its window within
+    # the budget (the allocator's peak)
+    scratch = {ds: allocator_peak(prof, ds).bytes - prof.peak(ds).bytes for ds in measured}
+    alloc = {ds: pk + scratch[ds] for ds, pk in peaks.items()}
+    floor = min(alloc.values())
+    unchecked = alloc[("keep",) * len(prof.blocks)]
     costs = {ds: sum(b.cost[d] for b, d in zip(prof.blocks, ds)) for ds in measured}
     quarters = [floor + (unchecked - floor) * k // 4 for k in (1, 2, 3)]
     for budget in sorted({floor - 1, floor, *quarters, unchecked + 1}):
-        fitting = [ds for ds, pk in peaks.items() if pk <= budget]
-        # a plan keeps the tensors' peak plus the scratch inside operators within the budget
-        with_scratch = budget + prof.scratch_bytes
+        fitting = [ds for ds, pk in alloc.items() if pk <= budget]
         if not fitting:
             with pytest.raises(remat.PlanError, match="smallest reachable peak"):
-                remat.plan(prof, with_scratch, spans=False)
+                remat.plan(prof, budget, spans=False)
             continue
-        p = remat.plan(prof, with_scratch, spans=False)
+        p = remat.plan(prof, budget, spans=False)
         ds = tuple(p.decisions[b.name] for b in prof.blocks)
-        assert peaks[ds] <= budget, (budget, ds)
+        assert alloc[ds] <= budget, (budget, ds)
         assert p.predicted_peak_bytes == peaks[ds]
+        assert p.scratch_bytes == scratch[ds]
         assert costs[ds] == min(costs[f] for f in fitting), (budget, ds)
 
 

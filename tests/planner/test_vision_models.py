@@ -34,7 +34,11 @@ def test_resnet_planned_across_all_stages():
 def test_convnext_planned_across_all_stages():
     torch.manual_seed(0)
     blocks = [f"stages.{s}.blocks.{i}" for s, n in enumerate((2, 2, 6, 2)) for i in range(n)]
-    check_default_plans(ConvNeXt(), torch.randn(2, 3, 128, 128), blocks=blocks, reached={0.7, 0.5})
+    # 30 % too since the scratch inside operators counts where it happens (#22): the
+    # largest (stage 3's convolution backward) adds less where the every-block peak falls
+    check_default_plans(
+        ConvNeXt(), torch.randn(2, 3, 128, 128), blocks=blocks, reached={0.7, 0.5, 0.3}
+    )
 
 
 def test_mobilenet_planned_over_its_inverted_residuals():

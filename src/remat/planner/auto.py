@@ -269,8 +269,8 @@ def auto_checkpoint(
     """Profile, plan for ``budget``, apply in place, and check real steps.
 
     After applying, the first and a later step are measured
-    (:func:`measure_peak`), plus the scratch inside operators the profile measured
-    (``Profile.scratch_bytes``: the allocator counts it, the tensors do not). If that
+    (:func:`measure_peak`), plus the scratch inside operators the plan's peak has
+    (``Plan.scratch_bytes``: the allocator counts it, the tensors do not). If that
     is over the budget (the model is a prediction), the plan is made again with the
     budget lowered by the overshoot, up to three times, and this is logged (logger
     ``"remat"``) unless ``quiet``. If it still misses, the blocks are put back as they were
@@ -378,7 +378,6 @@ def auto_checkpoint(
         check_profile_matches(profile, model, args, kwargs, optimizer, set_to_none, check_fn)
         prof = agree_profile(profile) if agree else profile  # a no-op on an agreed profile
     target = budget_of(prof, budget)
-    scratch = prof.scratch_bytes  # inside operators: not in measure_peak, in the allocator's
     if agree:
         (target,) = agree_min([target])
     chosen = plan(prof, target)
@@ -418,6 +417,9 @@ def auto_checkpoint(
             raise
         if agree:  # every rank takes the same branch below
             (measured,) = agree_max([measured])
+        # the scratch inside operators the plan's peak has: not in measure_peak, in the
+        # allocator's (its window's, Plan.scratch_bytes)
+        scratch = chosen.scratch_bytes
         if measured + scratch <= target:
             chosen.budget_bytes = target
             chosen.diagnostics = advice.on_model(
@@ -441,6 +443,7 @@ def auto_checkpoint(
         except PlanError:
             break
     restore_state(blocks, wrapping)
+    scratch = chosen.scratch_bytes
     plus = f" + {scratch} scratch inside operators" if scratch else ""
     raise PlanError(
         f"remat.auto_checkpoint: the measured step peak {fmt_bytes(measured)} ({measured} bytes"

@@ -4,11 +4,12 @@ A few instrumented training steps of the default loop (see
 :mod:`remat.planner.stepmodel`), all from the same RNG state, in a short pipeline:
 
 1. one warm-up step (lazy modules, allocator and kernels warm up; :class:`~.probes.CallCount`
-   checks that every candidate block runs once per forward: the planner models a chain);
+   checks that every candidate block runs once per forward, and records the order forward
+   calls them in: the planner models a chain, in that order, whatever the module tree's);
 2. one forward without gradients (:func:`~.probes.kept_outputs`) and, on a device,
    forwards that find which block inputs a span may offload (:func:`~.probes.offload_inputs`);
-3. one step under ``torch.profiler`` for the scratch inside operators
-   (:mod:`remat.planner.scratch`);
+3. one step under ``torch.profiler`` for the scratch inside operators, per window of the
+   step (:mod:`remat.planner.scratch`, :class:`~.probes.WindowMarks`);
 4. per decision one memory step, every candidate block under that decision, whose bytes
    are read at the boundaries of contiguous windows (:class:`~.probes.TimelineProbe`);
    gradients start as ``None`` (or kept, with ``set_to_none=False``), as in the user's
@@ -57,10 +58,11 @@ from .probes import (
     CallCount,
     InputFrees,
     TimelineProbe,
+    WindowMarks,
     kept_outputs,
     offload_inputs,
 )
-from .scratch import operator_scratch
+from .scratch import window_scratch
 from .sharded import is_ddp, reshard, unsharded_storages
 from .solve import Profile
 from .state import (
@@ -127,7 +129,8 @@ def profile(
         loss_fn: output -> scalar loss; default: the output's ``loss`` (entry or attribute: a
             model that computes its own loss), else the sum of its floating outputs.
         check_fn: ``check_fn(name, module)`` picks the candidate blocks;
-            default: the children of the largest ``ModuleList``/``Sequential``.
+            default: the repeated blocks of every stack (:mod:`remat._blocks`). The
+            profile takes them in the order the warm-up step's forward first calls them.
         decisions: what to measure; default ``keep``, ``recompute``,
             ``selective``, ``offload`` on a device, and ``split`` (the block
             checkpointed with each of its children nested inside, below the
@@ -204,8 +207,12 @@ def profile(
     first, later, opt_state = opt_terms
     shapes: list[torch.Tensor] = []
     tensors_in((args, kwargs), shapes)
+    costs = derive_blocks(m)
+    where = scratch or {}  # the scratch inside operators per window (None: not measured)
+    for i, b in enumerate(costs):
+        b.fwd_scratch, b.bwd_scratch = where.get(f"fwd:{i}", 0), where.get(f"bwd:{i}", 0)
     prof = Profile(
-        blocks=derive_blocks(m),
+        blocks=costs,
         top=keep_line.top_peak,
         pre=keep_line.pre_peak,
         decisions=list(chosen),
@@ -225,9 +232,12 @@ def profile(
         end_grads=keep_line.end_grads,
         top_grads=keep_line.top_grads,
         chained=calls.chained,
-        scratch_bytes=scratch,
+        scratch_bytes=max(where.values(), default=0),
         kept_outputs=kept,
         shared_bytes=step.shared,
+        scratch_located=scratch is not None,
+        pre_scratch=where.get("pre", 0),
+        top_scratch=where.get("top", 0),
     )
     return agree_profile(prof) if agree else prof
 
@@ -337,7 +347,9 @@ def _measure(
     decisions: list[Decision],
     timer: str,
     repeats: int,
-) -> tuple[Measurements, tuple[int, int, int], int, CallCount, list[bool]]:
+) -> tuple[
+    Measurements, tuple[int, int, int], dict[str, int] | None, CallCount, list[bool]
+]:
     """Steps 1-5 of the module docstring."""
     model, names, modules = step.model, list(blocks), list(blocks.values())
     n = len(names)
@@ -345,15 +357,28 @@ def _measure(
     with BlockHooks(modules, calls):
         step()  # warm-up; with set_to_none=False its gradients stay for every later step
     calls.check()
+    names = calls.in_call_order()  # the chain the step model plans: the order forward runs
+    blocks = {nm: blocks[nm] for nm in names}
+    modules = list(blocks.values())
     kept = kept_outputs(model, modules, step.args, step.kwargs, step.state)
     offload = [0] * n, [0] * n
-    if OFFLOAD in decisions and n >= 2:
+    probed = OFFLOAD in decisions and n >= 2
+    if probed:
         before = [d for d in (KEEP, SELECTIVE) if d in decisions]
         offload = offload_inputs(model, modules, step.args, step.kwargs, step.state, before)
     if is_ddp(model):  # DDP rebuilds its buckets in the second step: not in a measured one
         step()
     step.clear_grads()
-    scratch = operator_scratch(step, step.device)
+    # The scratch of each window with the blocks kept, whatever the model's own wrapping (put
+    # back by the caller). After the offload probes the blocks stay as their last forward
+    # left them (some checkpointed: their forward's scratch is then also counted in their
+    # backward window, never low); unwrapping them there would change the steps a
+    # simulated device's copy timing depends on.
+    for nm, state in snapshot_state(blocks).items():
+        if not probed and any(st for _, st in state):
+            apply_decision(blocks[nm], KEEP)
+    with BlockHooks(modules, WindowMarks(n)):
+        scratch = window_scratch(step, step.device)
     storages = unsharded_storages(model)
     step.grad_bytes = grad_bytes(step.state.grad_params, step.counted)
     splittable = {nm for nm, mod in blocks.items() if can_split(mod)}

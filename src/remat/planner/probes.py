@@ -7,11 +7,15 @@ to run) and ``after(i, args, kwargs, out)`` (it returned) methods, put on the bl
 recompute are ignored. The
 probes only record; :mod:`remat.planner.stepmodel` turns what they record into terms.
 
-* :class:`CallCount`: how often each block runs, which blocks pass their output straight
-  to the next (``Profile.chained``), which change an input in place.
+* :class:`CallCount`: how often each block runs, the order of their first calls (the
+  order the profile takes them in), which blocks pass their output straight to the next
+  (``Profile.chained``), which change an input in place.
 * :class:`TimelineProbe`: the bytes at the boundaries of a step's contiguous windows
   (before the blocks, each block's forward, head and loss, each block's backward) into a
-  :class:`~remat.planner.types.Timeline`, on :mod:`remat.memory`'s windows.
+  :class:`~remat.planner.types.Timeline`, on :mod:`remat.memory`'s windows, and the
+  outputs the next block did not receive that die before their block's backward.
+* :class:`WindowMarks`: the same windows' boundaries in a profiler's events (the scratch
+  inside operators, counted where it happens).
 * :class:`InputFrees`: block outputs the next block frees, block inputs alive to the end of
   forward, tensors passed to several blocks.
 * :class:`KeptOutputs` (:func:`kept_outputs`): outputs the model's own code keeps past the
@@ -38,6 +42,7 @@ from .._tree import tensors_in
 from ..memory import BlockHooks
 from .amp import fresh_region
 from .apply import apply_decision
+from .scratch import mark_window
 from .state import StepState, grad_bytes
 from .types import Decision, Timeline
 
@@ -96,45 +101,87 @@ def sizes(refs: list[weakref.ref[torch.Tensor]]) -> Sized:
     return out
 
 
+def storage_sizes(
+    refs: list[weakref.ref[torch.Tensor]], device: torch.device | None
+) -> list[tuple[weakref.ref[torch.UntypedStorage], int]]:
+    """The storages of the live tensors of ``refs`` (on ``device`` when given; each once)
+    with their bytes, as weak references: a storage outlives a tensor object whose alias
+    something else holds (a selective cache's detached copy)."""
+    out, seen = [], set()
+    for r in refs:
+        t = r()
+        if t is None or type(t) is not torch.Tensor:  # a subclass's storage is its own
+            continue
+        if device is not None and t.device != device:
+            continue
+        st = t.untyped_storage()
+        if st.nbytes() and st._cdata not in seen:
+            seen.add(st._cdata)
+            out.append((weakref.ref(st), st.nbytes()))
+    return out
+
+
 class CallCount:
-    """How often each candidate block runs in one forward (recomputes not counted),
-    whether each block received a tensor the block called just before it returned (the
-    blocks a span may join: nothing of the model's own code between them), and which
-    blocks change one of their input tensors in place (``nn.ReLU(inplace=True)`` as a
-    block). A block that returns a view of the previous block's output is not chained to
-    it."""
+    """How often each candidate block runs in one forward (recomputes not counted), the
+    order of their first calls (:meth:`in_call_order`), whether each block received a
+    tensor the block called just before it returned (the blocks a span may join: nothing
+    of the model's own code between them), and which blocks change one of their input
+    tensors in place (``nn.ReLU(inplace=True)`` as a block). A block that returns a view of
+    the previous block's output is not chained to it."""
 
     def __init__(self, names: Sequence[str]) -> None:
         self.names = list(names)
         self.counts = [0] * len(self.names)
-        self.chained = [False] * max(len(self.names) - 1, 0)
+        self.order: list[int] = []  # the blocks by their first call
+        self.links: dict[tuple[int, int], bool] = {}  # (block before, block): chained
         self.last: int | None = None  # the block that returned last
+        self.link: tuple[int, int] | None = None  # the running block's
         self.returned: list[weakref.ref[torch.Tensor]] = []
         self.mutating: set[str] = set()
         self.versions: dict[int, list[tuple[torch.Tensor, int]]] = {}  # the running block's
 
     def before(self, i: int, args: Any, kwargs: Any) -> None:
+        if not self.counts[i]:
+            self.order.append(i)
         self.counts[i] += 1
         got: list[torch.Tensor] = []
         tensors_in((args, kwargs), got)
         self.versions[i] = [(t, t._version) for t in got]
-        if i > 0 and self.last == i - 1:
-            self.chained[i - 1] = any(r() is t for r in self.returned for t in got)
+        self.link = None
+        if self.last is not None and self.last != i:
+            self.link = (self.last, i)
+            self.links[self.link] = any(r() is t for r in self.returned for t in got)
 
     def after(self, i: int, args: Any, kwargs: Any, out: Any) -> None:
         if any(t._version != v for t, v in self.versions.pop(i, [])):
             self.mutating.add(self.names[i])
         outs: list[torch.Tensor] = []
         tensors_in(out, outs)
-        if i > 0 and self.chained[i - 1]:
+        if self.link is not None and self.links[self.link]:
             # A view of what the previous block returned (a Flatten, a reshape): a span
             # that ends here would keep that output alive, which the step model counts
             # as freed. Such blocks do not join the block before them.
             got = [t for r in self.returned if (t := r()) is not None]
             if any(shares_storage(o, t) for o in outs for t in got):
-                self.chained[i - 1] = False
+                self.links[self.link] = False
+        self.link = None
         self.last = i
         self.returned = [weakref.ref(t) for t in outs]
+
+    def in_call_order(self) -> list[str]:
+        """The block names in the order of their first calls (those never called last)."""
+        return [self.names[i] for i in self.in_call_indices()]
+
+    def in_call_indices(self) -> list[int]:
+        """:meth:`in_call_order` as indices into the names given."""
+        return [*self.order, *(i for i in range(len(self.names)) if i not in self.order)]
+
+    @property
+    def chained(self) -> list[bool]:
+        """For each block in call order but the last, whether the next received a tensor it
+        returned (``Profile.chained``)."""
+        order = self.in_call_indices()
+        return [self.links.get((a, b), False) for a, b in zip(order, order[1:])]
 
     def check(self) -> None:
         """Raise unless every block ran exactly once: the planner models a chain."""
@@ -174,8 +221,16 @@ class TimelineProbe:
             fwd_start=[0] * n, fwd_peak=[0] * n, bwd_start=[None] * n, bwd_peak=[0] * n,
             bwd_grads=[0] * n, input_bytes=[0] * n,
         )  # fmt: skip
+        self.line.outputs_freed = [0] * max(n - 1, 0)
         self.phase: tuple[str, int] = ("pre", -1)
         self.window = tracker.open_window()
+        # each block's outputs, those of them the next block did not receive, and of those
+        # the ones alive when the last block returns (``Timeline.outputs_freed``)
+        self.outs: list[list[weakref.ref[torch.Tensor]]] = [[] for _ in range(n)]
+        self.unpassed: list[list[weakref.ref[torch.Tensor]]] = [[] for _ in range(n)]
+        self.held: list[list[tuple[weakref.ref[torch.UntypedStorage], int]]] = [
+            [] for _ in range(n)
+        ]
         self.seq = [0] * (n + 1)  # tracker.allocations at each block's forward start, and top's
         self.real_clear = torch.clear_autocast_cache
         torch.clear_autocast_cache = self._clear_cache  # type: ignore[assignment]
@@ -202,6 +257,12 @@ class TimelineProbe:
         found: list[torch.Tensor] = []
         tensors_in(args, found)  # the positional inputs (keyword ones are not a block's own)
         self.line.input_bytes[i] = storage_bytes(found, self.counted)
+        if i > 0:
+            got: list[torch.Tensor] = []
+            tensors_in((args, kwargs), got)
+            self.unpassed[i - 1] = [
+                r for r in self.outs[i - 1] if not any(r() is t for t in got)
+            ]
         self.line.fwd_start[i] = self._switch(("fwd", i))
         self.seq[i] = self.tracker.allocations
 
@@ -209,8 +270,10 @@ class TimelineProbe:
         if i == self.last:
             self.line.top_start = self._switch(("top", -1))
             self.seq[-1] = self.tracker.allocations
+            self.held = [storage_sizes(refs, self.counted) for refs in self.unpassed]
         outs: list[torch.Tensor] = []
         tensors_in(out, outs)
+        self.outs[i] = [weakref.ref(t) for t in outs]
         outs = [t for t in outs if t.requires_grad]
         if outs:
             torch.autograd.graph.register_multi_grad_hook(outs, BackwardStart(self, i), mode="any")
@@ -236,6 +299,8 @@ class TimelineProbe:
     def backward_start(self, i: int) -> None:
         if self.line.bwd_start[i] is None:
             self.line.bwd_start[i] = self._switch(("bwd", i))
+            if i < self.last:
+                self.line.outputs_freed[i] = sum(b for r, b in self.held[i] if r() is None)
 
     def finish(self) -> None:
         """Close the last window (backward has returned); read the bytes alive now."""
@@ -248,10 +313,38 @@ class TimelineProbe:
         self.tracker.close_window(self.window)
 
 
+class WindowMarks:
+    """Marks the boundaries of the step's windows, the :class:`TimelineProbe`'s (block
+    ``i``'s forward, ``top``, block ``i``'s backward), in a running profiler's events
+    (:func:`~remat.planner.scratch.mark_window`), so the scratch inside operators is
+    counted in the window it happens in (:func:`~remat.planner.scratch.window_scratch`)."""
+
+    def __init__(self, n: int) -> None:
+        self.last = n - 1
+        self.seen: set[int] = set()
+
+    def before(self, i: int, args: Any, kwargs: Any) -> None:
+        mark_window(f"fwd:{i}")
+
+    def after(self, i: int, args: Any, kwargs: Any, out: Any) -> None:
+        if i == self.last:
+            mark_window("top")
+        outs: list[torch.Tensor] = []
+        tensors_in(out, outs)
+        outs = [t for t in outs if t.requires_grad]
+        if outs:
+            torch.autograd.graph.register_multi_grad_hook(outs, BackwardStart(self, i), mode="any")
+
+    def backward_start(self, i: int) -> None:
+        if i not in self.seen:
+            self.seen.add(i)
+            mark_window(f"bwd:{i}")
+
+
 class BackwardStart:
     """Gradient hook on a block's outputs: its backward window starts."""
 
-    def __init__(self, probe: TimelineProbe, i: int) -> None:
+    def __init__(self, probe: TimelineProbe | WindowMarks, i: int) -> None:
         self.probe = probe
         self.i = i
 

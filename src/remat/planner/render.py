@@ -155,7 +155,9 @@ def _range(run: tuple[str, int, int]) -> str:
 
 def miss_message(budget: int, floor: StepPeak, unchecked: int, scratch: int = 0) -> str:
     """``PlanError``'s text when no plan reaches ``budget``: the smallest reachable peak
-    (``floor``), where it falls, what it is made of, and what else would lower it."""
+    (``floor``, of tensors, plus ``scratch`` inside operators there), where it falls, what it
+    is made of, and what else would lower it; ``unchecked``: the unchecked step's peak as
+    the budget counts it (its scratch included)."""
     parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in floor.breakdown.items())
     if scratch:
         parts += f"; plus {fmt_bytes(scratch)} scratch inside operators"
@@ -163,7 +165,7 @@ def miss_message(budget: int, floor: StepPeak, unchecked: int, scratch: int = 0)
     msg = (
         f"remat.plan: no plan keeps the predicted step peak within {fmt_bytes(budget)} "
         f"({budget} bytes); the smallest reachable peak is {fmt_bytes(low)} "
-        f"({low} bytes, unchecked {fmt_bytes(unchecked + scratch)}), in {floor.where} "
+        f"({low} bytes, unchecked {fmt_bytes(unchecked)}), in {floor.where} "
         f"({parts}). "
     )
     if floor.movable:

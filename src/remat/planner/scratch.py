@@ -5,17 +5,20 @@ convolution backward on CPU: 2 MiB for a 32-channel 3x3 layer; cuDNN and
 attention kernels on a GPU). :mod:`remat.memory` counts tensor storages
 between operators, so its peak leaves that memory out, while the allocator's
 peak (``torch.cuda.max_memory_allocated()``, the CPU allocator's events in
-``torch.profiler``) includes it. The step model therefore adds, to every peak it
-predicts, the largest scratch one operator of the step allocates: an upper bound,
-since at any moment one operator runs and adds its own scratch, at most the
-largest. A budget then holds for the allocator's peak, not only for the tensors'.
+``torch.profiler``) includes it. An operator's scratch is alive only while it runs, in one
+window of the step, so the step model adds to each of its terms the largest scratch of an
+operator in that term's window (:mod:`remat.planner.stepmodel.allocator`): an upper bound,
+since at any moment one operator runs and adds its own scratch. A budget then holds for the
+allocator's peak, not only for the tensors'.
 
-:func:`operator_scratch` measures it on one training step under
-``torch.profiler`` with ``profile_memory=True``: a dispatch mode marks each
-operator the tracker sees (a profiler range around it), and an operator's scratch
-is the most its allocations reach inside its range above both the bytes alive
-when it starts and those alive when it returns (its outputs are not scratch).
-Allocations of every thread inside the range count (intra-op worker threads).
+:func:`window_scratch` measures it on one training step under ``torch.profiler`` with
+``profile_memory=True``: a dispatch mode marks each operator the tracker sees (a profiler
+range around it), and an operator's scratch is the most its allocations reach inside its
+range above both the bytes alive when it starts and those alive when it returns (its
+outputs are not scratch). Allocations of every thread inside the range count (intra-op
+worker threads). The step's windows are marked as it runs (:func:`mark_window`, from
+:class:`remat.planner.probes.WindowMarks`), and an operator counts in the window it starts
+in. :func:`operator_scratch` is the largest over the whole run.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _MARK = "remat::operator"
+_WINDOW = "remat::window::"
 log = logging.getLogger("remat")
 
 
@@ -68,6 +72,14 @@ def _quiet_native_stderr() -> Iterator[None]:
         os.close(saved)
 
 
+def mark_window(name: str) -> None:
+    """Mark, in a running profiler's events, that the step's window ``name`` starts here
+    (``"fwd:3"``, ``"top"``, ``"bwd:3"``): :func:`window_scratch` gives each window the
+    scratch of the operators that start in it."""
+    with _range(_WINDOW + name):
+        pass
+
+
 def operator_scratch(run: Callable[[], None], device: torch.device) -> int:
     """The most memory of ``device`` one operator run by ``run()`` allocates and frees inside.
 
@@ -81,13 +93,36 @@ def operator_scratch(run: Callable[[], None], device: torch.device) -> int:
         >>> operator_scratch(lambda: x.sin().sum().backward(), torch.device("cpu"))
         0
     """
+    found = window_scratch(run, device)
+    return max(found.values(), default=0) if found is not None else 0
+
+
+def window_scratch(run: Callable[[], None], device: torch.device) -> dict[str, int] | None:
+    """Per window of the step ``run()`` runs (marked by :func:`mark_window` as it runs;
+    ``"pre"`` before the first mark), the most memory of ``device`` one operator starting in
+    it allocates and frees inside; windows without scratch are left out.
+
+    ``run`` is called once, under ``torch.profiler``. Returns ``None`` when a profiler is
+    already running (one cannot be nested in another: the scratch is not measured), and
+    logs it (logger ``"remat"``).
+
+    Example:
+        >>> import torch
+        >>> x = torch.randn(8, 64, requires_grad=True)
+        >>> def run():
+        ...     y = x.sin()
+        ...     mark_window("top")
+        ...     y.sum().backward()
+        >>> window_scratch(run, torch.device("cpu"))
+        {}
+    """
     if torch.autograd._profiler_enabled():
         log.warning(
             "remat: a profiler is running, so scratch memory inside operators was not "
             "measured (counted as 0): the plan's peak is the tensors' only."
         )
         run()
-        return 0
+        return None
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
@@ -104,12 +139,18 @@ def operator_scratch(run: Callable[[], None], device: torch.device) -> int:
             prof.__exit__(None, None, None)
     results = None if prof.profiler is None else prof.profiler.kineto_results
     if results is None:  # the profiler collected nothing (not expected)
-        return 0
-    return largest_scratch(list(results.events()), device)
+        return {}
+    return scratch_by_window(list(results.events()), device)
 
 
 def largest_scratch(events: list[Any], device: torch.device) -> int:
     """The largest scratch of one marked operator in profiler ``events`` (see the module)."""
+    return max(scratch_by_window(events, device).values(), default=0)
+
+
+def scratch_by_window(events: list[Any], device: torch.device) -> dict[str, int]:
+    """The largest scratch of one marked operator in profiler ``events`` per window (see
+    :func:`window_scratch`)."""
     kind = device.type.upper()
     index = -1 if device.type == "cpu" else (device.index if device.index is not None else 0)
     allocs = sorted(
@@ -120,7 +161,10 @@ def largest_scratch(events: list[Any], device: torch.device) -> int:
         and (device.type == "cpu" or e.device_index() == index)
     )
     times = [t for t, _ in allocs]
-    best = 0
+    marks = sorted((e.start_ns(), e.name()[len(_WINDOW) :]) for e in events
+                   if e.name().startswith(_WINDOW))  # fmt: skip
+    starts = [t for t, _ in marks]
+    out: dict[str, int] = {}
     for e in events:
         if e.name() != _MARK:
             continue
@@ -130,5 +174,9 @@ def largest_scratch(events: list[Any], device: torch.device) -> int:
         for k in range(lo, hi):
             cur += allocs[k][1]
             top = max(top, cur)
-        best = max(best, top - max(cur, 0))
-    return best
+        scratch = top - max(cur, 0)
+        if scratch > 0:
+            at = bisect.bisect_right(starts, e.start_ns()) - 1
+            window = marks[at][1] if at >= 0 else "pre"
+            out[window] = max(out.get(window, 0), scratch)
+    return out

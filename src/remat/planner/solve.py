@@ -46,6 +46,7 @@ from .stepmodel import (
     solver_terms,
     step_peak,
     unchecked_peak,
+    with_scratch,
 )
 from .types import BlockCosts, Decision, PlanData, ProfileData, Span, SpanLike, StepPeak
 
@@ -88,8 +89,16 @@ class Profile(ProfileData):
     @property
     def floor_bytes(self) -> int:
         """The smallest predicted step peak any plan reaches (absolute bytes of tensors):
-        the smallest budget :func:`remat.plan` meets is this plus ``scratch_bytes``."""
+        the smallest budget :func:`remat.plan` meets is at most this plus
+        ``scratch_bytes`` (exactly :attr:`smallest_budget_bytes`)."""
         return floor(self)[2].bytes
+
+    @property
+    def smallest_budget_bytes(self) -> int:
+        """The smallest budget :func:`remat.plan` meets: the smallest step peak any plan
+        reaches with the scratch inside operators counted where it happens (the
+        allocator's peak, :func:`~remat.planner.stepmodel.allocator_peak`)."""
+        return floor(with_scratch(self))[2].bytes
 
 
 class Plan(PlanData):
@@ -251,6 +260,23 @@ def _tolerance(profile: ProfileData, allowed: Sequence[str]) -> float:
     return math.sqrt(sq)
 
 
+def _miss(
+    profile: ProfileData,
+    budget: int,
+    ds: Sequence[str],
+    spans: Sequence[Span],
+    low: StepPeak,
+    unchecked: StepPeak,
+) -> str:
+    """``PlanError``'s text: the floor plan's peak of tensors, and what the scratch inside
+    operators adds to it (``low`` is its allocator peak; ``unchecked`` the unchecked step's)."""
+    tensors = step_peak(profile, ds, spans)
+    head = advice.loss_head(profile, tensors, ds, spans)
+    return miss_message(budget, tensors, unchecked.bytes, low.bytes - tensors.bytes) + "".join(
+        f" {d.message[:1].upper()}{d.message[1:]}" for d in head
+    )
+
+
 def _check_profile(profile: object) -> None:
     if not isinstance(profile, ProfileData):
         raise TypeError(
@@ -331,21 +357,19 @@ def plan(
     checked = _solver(solver)
     longest = max_span if spans else 1
     budget_bytes = budget_of(profile, budget)
-    scratch = profile.scratch_bytes
+    # every term with the scratch inside operators of its window: the allocator's peak
+    alloc = with_scratch(profile)
     unchecked = unchecked_peak(profile)
-    low_decisions, low_spans, low = floor(profile, longest)
-    if low.bytes + scratch > budget_bytes:
-        head = advice.loss_head(profile, low, low_decisions, low_spans)
-        raise PlanError(
-            miss_message(budget_bytes, low, unchecked.bytes, scratch)
-            + "".join(f" {d.message[:1].upper()}{d.message[1:]}" for d in head)
-        )
+    checked_all = unchecked_peak(alloc)
+    low_ds, low_spans, low = floor(alloc, longest)
+    if low.bytes > budget_bytes:
+        raise PlanError(_miss(profile, budget_bytes, low_ds, low_spans, low, checked_all))
     n = len(profile.blocks)
     found: tuple[list[Decision], list[Span]] | None = None
-    if profile.shared_bytes and unchecked.bytes + scratch <= budget_bytes:
+    if profile.shared_bytes and checked_all.bytes <= budget_bytes:
         found = ([Decision.KEEP] * n, [])  # no checkpoint: the shared bytes die in forward
     else:
-        terms = solver_terms(profile)
+        terms = solver_terms(alloc)
         # Where an autocast region ends before backward the solvers' single running sum
         # cannot be exact in forward: optimistic terms first (a plan that fits under the
         # exact ones is then optimal), else the safe ones (see stepmodel.exit_view).
@@ -354,7 +378,7 @@ def plan(
             found = solve(
                 blocks,
                 terms.top,
-                budget_bytes - profile.static_step_bytes - scratch,
+                budget_bytes - profile.static_step_bytes,
                 profile.decisions,
                 tolerance=_tolerance(profile, profile.decisions),
                 solver="chain" if spans else checked,
@@ -362,12 +386,13 @@ def plan(
                 chained=profile.spans_may_join,
                 kept_outputs=profile.outputs_kept,
             )
-            if found is None or step_peak(profile, *found).bytes + scratch <= budget_bytes:
+            if found is None or step_peak(alloc, *found).bytes <= budget_bytes:
                 break
     if found is None:  # cannot happen when the floor fits; kept as a guard
-        raise PlanError(miss_message(budget_bytes, low, unchecked.bytes, scratch))
+        raise PlanError(_miss(profile, budget_bytes, low_ds, low_spans, low, checked_all))
     decisions, chosen = found
     peak = step_peak(profile, decisions, chosen)
+    scratch = step_peak(alloc, decisions, chosen).bytes - peak.bytes
     blocks = profile.blocks
     saved, added = attribution(blocks, decisions, chosen)
     return Plan(

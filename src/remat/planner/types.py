@@ -211,6 +211,10 @@ class BlockCosts:
     ``held_to_end`` is the bytes of the block's inputs that the model's code keeps until
     forward returns and the kept block does not save: a checkpoint starting at this block
     holds them into backward.
+
+    ``fwd_scratch`` / ``bwd_scratch`` are the most memory one operator of the block's forward
+    / backward window allocates and frees inside (scratch, which the allocator counts and
+    the tensor bytes do not: :mod:`remat.planner.scratch`), measured with every block kept.
     """
 
     name: str = dataclasses.field(metadata=SAME)
@@ -228,6 +232,8 @@ class BlockCosts:
     pre_exit: dict[Decision, int] = dataclasses.field(default_factory=dict, metadata=MAX)
     offload_input: int = dataclasses.field(default=0, metadata=MIN)
     held_to_end: int = dataclasses.field(default=0, metadata=MAX)
+    fwd_scratch: int = dataclasses.field(default=0, metadata=MAX)
+    bwd_scratch: int = dataclasses.field(default=0, metadata=MAX)
 
     def __post_init__(self) -> None:
         for f in ("retained", "fwd_excess", "bwd_excess", "cost", "noise", "exit_freed",
@@ -270,6 +276,11 @@ class Timeline:
     #: forward window that the end freed (autocast's cached casts of its weights).
     top_pre_peak: int | None = None
     exit_freed: list[int] = dataclasses.field(default_factory=list)
+    #: Per block but the last, the bytes of its outputs that the next block did not receive
+    #: (the blocks are not one chain there: two towers), alive when the last block returns
+    #: and dead when the block's backward starts (the model's head used them and freed
+    #: them). Empty: not recorded.
+    outputs_freed: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,8 +409,15 @@ class ProfileData:
             may join. Empty (not recorded): no spans.
         scratch_bytes: the most memory one operator of the step's forward and backward
             allocates and frees before it returns, which the allocator counts and
-            :mod:`remat.memory` cannot (:mod:`remat.planner.scratch`); plans keep the
-            predicted peak plus this within the budget.
+            :mod:`remat.memory` cannot (:mod:`remat.planner.scratch`).
+        scratch_located: whether the scratch was measured per window of the step
+            (``pre_scratch``, ``top_scratch``, each block's ``fwd_scratch`` and
+            ``bwd_scratch``): the step model then adds to each term the largest scratch of
+            its window (:func:`~remat.planner.stepmodel.with_scratch`); otherwise
+            ``scratch_bytes`` to every term (profiles written before it was located).
+        pre_scratch / top_scratch: the largest scratch of one operator before the first
+            block / between the last block's forward and its backward (head, loss and
+            their backward).
         kept_outputs: for each block, whether the model's own code still referenced its
             output when the block after next started (a skip connection, a list of hidden
             states): a span may not hold it and the two blocks after it together (it would
@@ -434,6 +452,9 @@ class ProfileData:
     scratch_bytes: int = dataclasses.field(default=0, metadata=MAX)
     kept_outputs: list[bool] = dataclasses.field(default_factory=list, metadata=SAME)
     shared_bytes: int = dataclasses.field(default=0, metadata=MAX)
+    scratch_located: bool = dataclasses.field(default=False, metadata=SAME)
+    pre_scratch: int = dataclasses.field(default=0, metadata=MAX)
+    top_scratch: int = dataclasses.field(default=0, metadata=MAX)
 
     def __post_init__(self) -> None:
         self.decisions = [Decision(d) for d in self.decisions]
@@ -487,7 +508,8 @@ class PlanData:
     ``predicted_peak_bytes`` counts tensor storages, as :mod:`remat.memory` measures
     them; the allocator (``torch.cuda.max_memory_allocated()``) also counts the
     scratch memory operators free before they return, at most ``scratch_bytes`` more.
-    A plan keeps ``predicted_peak_bytes + scratch_bytes`` within ``budget_bytes``.
+    A plan keeps ``predicted_peak_bytes + scratch_bytes`` within ``budget_bytes`` (the
+    scratch counted in the window of the step it happens in).
     :class:`remat.Plan` adds the table (``str(plan)``) and :meth:`~remat.Plan.apply`.
 
     Attributes:
@@ -514,8 +536,10 @@ class PlanData:
             decision says (``keep``: plain, one checkpoint over the span as in Chen et
             al.'s segments; ``recompute`` or ``split``: checkpointed inside it too;
             ``selective``: the policy's saved outputs handed to the span).
-        scratch_bytes: the largest scratch one operator allocates inside
-            (``Profile.scratch_bytes``), added to the predicted peak for the budget.
+        scratch_bytes: what scratch inside operators adds to the predicted peak (at most
+            ``Profile.scratch_bytes``, the largest): each term of the step model with the
+            largest scratch of its window, the largest of them is ``predicted_peak_bytes +
+            scratch_bytes``, which the plan keeps within the budget.
         offloaded_spans: the spans (of ``spans``) whose input is kept in host memory
             until their own backward asks for it (on a device:
             ``apply_span(offload_inputs=True, prefetch=False)``).

@@ -2,8 +2,8 @@
 
 This package is the one home of the model (:mod:`.derive`: the per-block terms;
 :mod:`.segments`: blocks and spans; :mod:`.peak`: the step's peak, cost and attribution;
-:mod:`.budget`: budgets): the per-block terms derived from the measured
-timelines (corrections for pair effects included), the segments a plan is cut into (one
+:mod:`.allocator`: the scratch inside operators in the window it happens in;
+:mod:`.budget`: budgets): the per-block terms derived from the measured timelines (corrections for pair effects included), the segments a plan is cut into (one
 running-sum accumulator per kind of segment, which the reference evaluation and the chain
 dynamic program both read), the peak of a step and where it falls, the cost of a plan and
 what each block saves and adds. Nothing else in the planner writes a formula of the model.
@@ -106,6 +106,7 @@ fragmentation and caching on GPUs (the model counts tensor bytes, as
 
 from __future__ import annotations
 
+from .allocator import allocator_peak, with_scratch
 from .budget import budget_of, parse_budget
 from .derive import HELD_LINES, derive_blocks, equalize_costs
 from .peak import (
@@ -140,6 +141,7 @@ __all__ = [
     "BlockTerms",
     "Terms",
     "activation_terms",
+    "allocator_peak",
     "attribution",
     "block_share",
     "block_segment",
@@ -163,4 +165,5 @@ __all__ = [
     "span_segments",
     "step_peak",
     "unchecked_peak",
+    "with_scratch",
 ]

@@ -70,8 +70,10 @@ def parse_budget(budget: int | float | str, static: int, unchecked: int) -> int:
 
 
 def budget_of(prof: ProfileData, budget: int | float | str) -> int:
-    """``budget`` in bytes for ``prof``: a percentage is of the activations, with the
-    static bytes and the scratch inside operators (which no plan changes) on top."""
+    """``budget`` in bytes for ``prof``: a percentage is of the unchecked step's activations
+    (tensors), with the static bytes and the largest scratch inside operators on top (at
+    least the unchecked step's peak as the allocator counts it at ``100%``; plans count the
+    scratch where it happens: :mod:`.allocator`)."""
     scratch = prof.scratch_bytes
     return parse_budget(
         budget, prof.static_step_bytes + scratch, unchecked_peak(prof).bytes + scratch

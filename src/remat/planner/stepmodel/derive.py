@@ -36,6 +36,7 @@ def derive_blocks(m: Measurements) -> list[BlockCosts]:
             if b.bwd_excess[SELECTIVE] > NEVER:  # a backward window was seen
                 b.bwd_excess[SELECTIVE] -= f  # its own backward: as measured
     _held_to_end(out, m.held_to_end)
+    _outputs_freed(out, {d: t.outputs_freed for d, t in m.lines.items()})
     last = len(out) - 1
     for i, (b, f, h) in enumerate(zip(out, m.offload_inputs, m.held_before)):
         b.offload_input = 0 if b.name in m.mutating else f
@@ -167,6 +168,33 @@ def _held_to_end(costs: list[BlockCosts], held: dict[Decision, list[int]]) -> No
                 x[d] = x.get(d, 0) + h
             b.exit_freed = x
         for d in b.bwd_excess:  # what keep's line freed and d's line held, from block 0 on
+            total[d] = total.get(d, 0) + mine.get(KEEP, 0) - mine.get(d, 0)
+            if total[d] and b.bwd_excess[d] > NEVER:
+                b.bwd_excess[d] -= total[d]
+
+
+def _outputs_freed(costs: list[BlockCosts], freed: dict[Decision, list[int]]) -> None:
+    """Block outputs the next block did not receive (the blocks are not one chain there:
+    two towers whose outputs the model's head combines) that the model's code holds to the
+    end of forward and that die before the block's backward, per line in ``freed``: under
+    ``keep`` the head uses them and frees them in its backward, while a ``selective`` cache
+    holds them to the block's own backward. They count as kept in forward and not after it
+    under the decisions whose line freed them (``exit_freed``, in place), so the backward
+    terms of the blocks after this one (whose backward comes first) have them exactly when
+    the plan holds them; the uniform lines' derived backward terms are moved as in
+    :func:`_held_to_end`."""
+    n = len(costs)
+    lines = {d: v if len(v) == n - 1 else [0] * (n - 1) for d, v in freed.items()}
+    total: dict[Decision, int] = {}
+    for i, b in enumerate(costs):
+        mine = {d: v[i] for d, v in lines.items() if i < n - 1 and v[i] and d in b.retained}
+        if mine:
+            x = dict(b.exit_freed) or dict.fromkeys(b.retained, 0)
+            for d, f in mine.items():
+                b.retained[d] -= f
+                x[d] = x.get(d, 0) + f
+            b.exit_freed = x
+        for d in b.bwd_excess:  # what keep's line freed and d's line held, from this block on
             total[d] = total.get(d, 0) + mine.get(KEEP, 0) - mine.get(d, 0)
             if total[d] and b.bwd_excess[d] > NEVER:
                 b.bwd_excess[d] -= total[d]

@@ -1,0 +1,86 @@
+"""The step's peak as the allocator counts it: each term of the step model with the scratch
+inside operators of its window (see :mod:`remat.planner.stepmodel`).
+
+An operator's scratch (memory it allocates and frees before it returns: oneDNN's
+convolution backward, cuDNN workspaces) is alive only while that operator runs, in one
+window of the step. So a term of the step model (a window's peak) adds at most the largest
+scratch of an operator that runs in its window (:func:`with_scratch`):
+
+* ``pre`` and ``top`` (the head, the loss and their backward): their windows' scratch;
+* block ``i``'s forward term (and its recompute terms inside a span, which rerun its
+  forward): its forward window's scratch;
+* block ``i``'s backward term: its backward window's scratch and, under a decision that
+  recomputes the block in its backward (``recompute``, ``selective``, ``split``), its
+  forward window's; the last block's backward term also covers ``top``'s;
+* the optimizer step: none measured (the profile's scratch step has none).
+
+The allocator's peak of a plan is the largest of those terms (:func:`allocator_peak`); it
+is at least the tensors' peak and at most it plus the largest scratch. A profile without
+located scratch (``scratch_located`` false: written before, or measured while another
+profiler ran) adds its ``scratch_bytes`` to every term, the optimizer's included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TypeVar
+
+from ..types import NEVER, ProfileData, SpanLike, StepPeak
+from .peak import step_peak
+
+P = TypeVar("P", bound=ProfileData)
+
+
+def with_scratch(prof: P) -> P:
+    """``prof`` with the scratch inside operators in each term (see the module).
+
+    Example:
+        >>> import torch, remat
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
+        >>> prof = remat.profile(model, torch.randn(8, 16), timer="flops")
+        >>> keep = ["keep"] * 3
+        >>> 0 <= allocator_peak(prof, keep).bytes - prof.peak(keep).bytes <= prof.scratch_bytes
+        True
+    """
+    if not prof.scratch_bytes:
+        return prof
+    n = len(prof.blocks)
+    if prof.scratch_located:
+        pre, top, opt = prof.pre_scratch, prof.top_scratch, 0
+        fwd = [b.fwd_scratch for b in prof.blocks]
+        bwd = [b.bwd_scratch for b in prof.blocks]
+    else:
+        pre = top = opt = prof.scratch_bytes
+        fwd = bwd = [prof.scratch_bytes] * n
+    blocks = []
+    for i, b in enumerate(prof.blocks):
+        back = {}
+        for d, v in b.bwd_excess.items():
+            s = max(bwd[i], fwd[i] if d.holds_inputs else 0, top if i == n - 1 else 0)
+            back[d] = v + s if v > NEVER else v
+        blocks.append(
+            dataclasses.replace(
+                b,
+                fwd_excess={d: v + fwd[i] for d, v in b.fwd_excess.items()},
+                bwd_excess=back,
+                pre_exit={d: v + top for d, v in b.pre_exit.items()},
+            )
+        )
+    return dataclasses.replace(
+        prof,
+        blocks=blocks,
+        pre=prof.pre + pre,
+        top=prof.top + top,
+        optimizer_first_bytes=prof.optimizer_first_bytes + opt,
+        optimizer_later_bytes=prof.optimizer_later_bytes + opt,
+    )
+
+
+def allocator_peak(
+    prof: ProfileData, decisions: Sequence[str], spans: Sequence[SpanLike] = ()
+) -> StepPeak:
+    """The step's peak under a plan with the scratch inside operators where it happens (the
+    allocator's peak, as ``torch.cuda.max_memory_allocated()`` or the CPU allocator's
+    events count it): :func:`~.peak.step_peak` of :func:`with_scratch`."""
+    return step_peak(with_scratch(prof), decisions, spans)
