@@ -491,7 +491,8 @@ def _auto_shapes(
                 )  # fmt: skip
                 if agree:
                     (measured,) = agree_max([measured])
-                over = max(over, measured + plans.profile_at(n).scratch_bytes - target)
+                # the scratch the plan at that size adds at its own peak (Plan.scratch_bytes)
+                over = max(over, measured + plans.plan_for(n).scratch_bytes - target)
             if over <= 0:
                 return plans
             if attempt == 3:

@@ -18,7 +18,10 @@ two knots around that size; where it does not, the misses are reported by name, 
 becomes a knot and the two halves are checked in turn, up to a number of profiles. Outside
 the trusted intervals the caller measures each size it needs instead of trusting the fit
 (:mod:`remat.planner.shapes`). Times (and FLOPs) are interpolated the same way and
-never checked: they only rank plans, a time below 0 is taken as 0.
+never checked: they only rank plans, a time below 0 is taken as 0. Scratch inside operators
+(``scratch_bytes`` and the per-window scratch terms) is the workspace a kernel sizes by its
+own thresholds: between two knots it is the larger of their values (scratch assumed to grow
+with the size within an interval), neither fitted nor checked.
 
 Example:
     >>> import torch, remat
@@ -95,6 +98,13 @@ def _rebuilt(obj: Any, prefix: str, values: Mapping[str, int | float]) -> Any:
         else:
             changes[name] = values[f"{prefix}{name}"]
     return dataclasses.replace(obj, **changes)
+
+
+def _bounded(name: str) -> bool:
+    """A scratch term (``scratch_bytes``, ``fwd_scratch``, ...): the workspace of one operator,
+    which its kernel sizes by thresholds of its own (no polynomial in the size). Between two
+    knots it is bounded by the larger of their values, not fitted, and never checked."""
+    return "scratch" in name
 
 
 def _structure(prof: ProfileData) -> tuple[object, ...]:
@@ -207,7 +217,9 @@ class ShapeFit:
         where the first three's polynomial is checked); an interval is trusted when every
         term has such knots, or when no size inside it is a multiple of ``multiple``."""
         knots = self.knots
-        names = [k for k, v in self._bytes[knots[0]].items() if not isinstance(v, float)]
+        names = [
+            k for k, v in self._bytes[knots[0]].items() if not isinstance(v, float) and not _bounded(k)
+        ]
         self._certified = {}
         for i, (a, b) in enumerate(zip(knots, knots[1:])):
             if -(-(a + 1) // multiple) * multiple >= b:
@@ -249,6 +261,11 @@ class ShapeFit:
             if is_float and size in self._times:
                 out[name] = self._times[size][name]
                 continue
+            if _bounded(name):
+                around = self._interval(size)
+                ends = around if around is not None else nearest
+                out[name] = max(self._bytes[n][name] for n in ends)
+                continue
             source = self._times if is_float else self._bytes
             window = times if is_float else certified.get(name, nearest)
             value = interpolate([(n, source[n][name]) for n in window], size)
@@ -273,7 +290,11 @@ class ShapeFit:
         """The byte terms of ``prof`` (measured at ``size``) the fit does not give exactly."""
         got = terms(prof)
         fitted = self.values(size)
-        return [k for k, v in got.items() if not isinstance(v, float) and fitted[k] != v]
+        return [
+            k
+            for k, v in got.items()
+            if not isinstance(v, float) and not _bounded(k) and fitted[k] != v
+        ]
 
     def refine(
         self, measure: Callable[[int], Profile], *, multiple: int = 1, limit: int = 4
@@ -307,7 +328,11 @@ class ShapeFit:
             self._check_structure(mid, prof)
             fitted = self.values(mid)
             got = terms(prof)
-            wrong = [k for k, v in got.items() if not isinstance(v, float) and fitted[k] != v]
+            wrong = [
+                k
+                for k, v in got.items()
+                if not isinstance(v, float) and not _bounded(k) and fitted[k] != v
+            ]
             self.misfits[mid] = wrong
             out += [f"{k} at {mid}: fitted {fitted[k]}, measured {got[k]}" for k in wrong]
             self._bytes[mid] = got

@@ -290,7 +290,7 @@ class ShapePlans:
                 )
             if self._smallest is None:
                 top = self.fit.profiles[self.largest]
-                self._smallest = plan(top, top.floor_bytes + top.scratch_bytes)
+                self._smallest = plan(top, top.smallest_budget_bytes)
             warnings.warn(
                 f"remat: a batch of size {size} is larger than the largest planned size "
                 f"{self.largest}; running the smallest-peak plan of size {self.largest} "
