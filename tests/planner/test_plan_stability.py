@@ -1,7 +1,7 @@
 """Plans that do not flip: the same model, inputs and budget planned in fresh processes, with
 the default timer (counted work priced by the device's cached calibration), give one plan
 every time, two processes at once on the shared machine (issue 22 measured 5 of 23 timed
-plannings flipping)."""
+plannings flipping), for every family the issue names."""
 
 from __future__ import annotations
 
@@ -40,9 +40,29 @@ def gpt2():
     model, batch = gpt2()
     return model, (), batch
 
+def hf(family):
+    def make():
+        from tests.support.hf_models import FAMILIES
+        torch.manual_seed(0)
+        model, batch = FAMILIES[family][0]()
+        return model, (), batch
+    return make
+
+def vision(cls, size):
+    def make():
+        from tests.support import vision_models
+        torch.manual_seed(0)
+        x = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(1))
+        return getattr(vision_models, cls)(), (x,), {}
+    return make
+
+MAKERS = {"gpt": gpt, "cnn": cnn, "gpt2": gpt2, "resnet": vision("ResNet", 64),
+          "convnext": vision("ConvNeXt", 32)}
+MAKERS.update({f: hf(f) for f in ("llama", "mixtral", "t5", "bert", "vit")})
+
 out = {}
 for name in sys.argv[1].split(","):
-    model, args, kwargs = {"gpt": gpt, "cnn": cnn, "gpt2": gpt2}[name]()
+    model, args, kwargs = MAKERS[name]()
     prof = remat.profile(model, *args, optimizer=torch.optim.AdamW(model.parameters()), **kwargs)
     for budget in ("70%", "50%", "30%"):
         try:
@@ -55,11 +75,14 @@ print(json.dumps(out, sort_keys=True))
 
 
 def _families() -> str:
+    """Every family of issue 22: remat's GPT, the U-Net, ResNet and ConvNeXt shapes of
+    tests/support, and (with transformers) GPT-2, Llama, a MoE, T5, BERT and ViT."""
+    own = "gpt,cnn,resnet,convnext"
     try:
         import transformers  # noqa: F401
     except ImportError:
-        return "gpt,cnn"
-    return "gpt,cnn,gpt2"
+        return own
+    return own + ",gpt2,llama,mixtral,t5,bert,vit"
 
 
 def test_ten_fresh_processes_give_one_plan(tmp_path):
