@@ -5,17 +5,12 @@ equal those of the same wrapper without checkpointing."""
 
 from __future__ import annotations
 
-import os
-import socket
-import traceback
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import remat
 from remat.bench.models import build
+from tests.support import ranks
 from tests.support.models import SMALL_GPT
 
 pytestmark = pytest.mark.slow
@@ -26,47 +21,9 @@ TIMEOUT_S = 240
 LENGTHS = [(33, 9), (12, 33), (10, 20), (20, 20)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _entry(rank: int, world: int, port: int, out: str, scenario: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        result = SCENARIOS[scenario](rank)
-    except Exception:
-        result = {"error": traceback.format_exc()}
-    finally:
-        dist.destroy_process_group()
-    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
-
-
 def run_ranks(tmp_path, scenario: str, world: int = 2) -> list[dict]:
-    """Run ``scenario`` on ``world`` ranks; fail (and kill them) past ``TIMEOUT_S``."""
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_entry, args=(r, world, port, str(tmp_path), scenario))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(TIMEOUT_S)
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert not hung, f"ranks {hung} did not finish within {TIMEOUT_S} s (a hang)"
-    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
-    for r, res in enumerate(results):
-        assert "error" not in res, f"rank {r}:\n{res['error']}"
-    return results
+    """Run ``SCENARIOS[scenario]`` on ``world`` ranks (:func:`tests.support.ranks.run_ranks`)."""
+    return ranks.run_ranks(tmp_path, __name__, scenario, world, TIMEOUT_S)
 
 
 # -- inside the ranks ---------------------------------------------------------------
