@@ -10,8 +10,16 @@ import pytest
 
 EXAMPLES = sorted((pathlib.Path(__file__).parent.parent / "examples").glob("*.py"))
 
+#: Examples that start several processes: slow tests, as the project's multi-process ones.
+MULTI_PROCESS = {"torchrun_plan.py"}
 
-@pytest.mark.parametrize("script", EXAMPLES, ids=[p.name for p in EXAMPLES])
+
+def _param(script: pathlib.Path) -> object:
+    marks = [pytest.mark.slow] if script.name in MULTI_PROCESS else []
+    return pytest.param(script, id=script.name, marks=marks)
+
+
+@pytest.mark.parametrize("script", [_param(p) for p in EXAMPLES])
 def test_example_script_runs_and_prints_its_result(script):
     done = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=120
