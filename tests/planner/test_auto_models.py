@@ -42,6 +42,7 @@ from tests.support.families import (
     tokens,
 )
 from tests.support.referee import check_auto
+from tests.support.vision_models import ConvResBlock
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -239,22 +240,11 @@ def test_a_span_frees_the_list_one_block_passes_to_the_next():
 # ---------------------------------------------------------------- on the allocator's count
 
 
-class ConvBlock(nn.Module):
-    def __init__(self, c: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(c, c, 3, padding=1)
-        self.bn = nn.BatchNorm2d(c)
-        self.conv2 = nn.Conv2d(c, c, 3, padding=1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.conv2(F.relu(self.bn(self.conv1(x))))
-
-
 class ResNetish(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.stem = nn.Conv2d(3, 16, 3, padding=1)
-        self.blocks = nn.ModuleList(ConvBlock(16) for _ in range(4))
+        self.blocks = nn.ModuleList(ConvResBlock(16) for _ in range(4))
         self.head = nn.Linear(16, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
