@@ -9,7 +9,7 @@ import torch
 
 import remat
 from remat._blocks import default_blocks
-from tests.support.budgetcheck import PredictionOff, check_default_plans
+from tests.support.budgetcheck import check_default_plans
 from tests.support.hf_models import FAMILIES, llama
 
 pytest.importorskip("transformers", reason="needs the test extra: pip install -e '.[test]'")
@@ -27,18 +27,7 @@ def test_default_blocks_are_every_layer_stack():
         assert remat.apply_activation_checkpointing(model) == blocks, family
 
 
-# T5's relative position bias, made by the first block of each stack and passed to the
-# others, is over-counted once two or more blocks that receive it are checkpointed (64 KiB
-# a block here, 2-6 % of the peak; the step model's, with the old encoder-only blocks too);
-# plans stay within their budgets.
-T5_BIAS = pytest.mark.xfail(
-    raises=PredictionOff, strict=True, reason="step model over-counts T5's position bias"
-)
-
-
 def marks(family: str) -> list[pytest.MarkDecorator]:
-    if family == "t5":
-        return [T5_BIAS, pytest.mark.slow]
     return [] if family == "llama" else [pytest.mark.slow]  # one family in the default run
 
 

@@ -514,3 +514,54 @@ class TanhBlock(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.fc(x))
+
+
+# --- two stacks whose first block makes a bias the others receive and hand on (T5's shape)
+
+
+class BiasBlock(nn.Module):
+    """``h + down(tanh(up(norm(h)) + bias))``, returning ``(h, bias)``: the stack's first
+    block makes ``bias`` from a table, the others receive it and return it again. The add
+    saves neither operand, so with every block kept the bias dies in forward."""
+
+    def __init__(self, d: int, seq: int, first: bool) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+        self.table = nn.Embedding(seq, 4 * d) if first else None
+
+    def forward(
+        self, h: torch.Tensor, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.table is not None:
+            bias = self.table(torch.arange(h.shape[1], device=h.device)).unsqueeze(0)
+        assert bias is not None
+        return h + self.down(torch.tanh(self.up(self.norm(h)) + bias)), bias
+
+
+class BiasStack(nn.Module):
+    def __init__(self, depth: int, d: int, seq: int) -> None:
+        super().__init__()
+        self.block = nn.ModuleList(BiasBlock(d, seq, i == 0) for i in range(depth))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        bias = None
+        for b in self.block:
+            h, bias = b(h, bias)
+        return h  # the bias dies here (the encoder's: before the decoder runs)
+
+
+class EncoderDecoder(nn.Module):
+    """An encoder stack and a decoder stack (``encoder.block.*``, ``decoder.block.*``), each
+    with a bias its first block makes: the encoder's dies when the encoder returns, the
+    decoder's when the forward returns."""
+
+    def __init__(self, depth: int = 3, d: int = 32, seq: int = 64) -> None:
+        super().__init__()
+        self.encoder = BiasStack(depth, d, seq)
+        self.decoder = BiasStack(depth, d, seq)
+        self.head = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.decoder(self.encoder(x))).square().mean()

@@ -235,6 +235,7 @@ def profile(
         scratch_bytes=max(where.values(), default=0),
         kept_outputs=kept,
         shared_bytes=step.shared,
+        shared_inputs=dict(m.shared_inputs),
         scratch_located=scratch is not None,
         pre_scratch=where.get("pre", 0),
         top_scratch=where.get("top", 0),
@@ -387,6 +388,7 @@ def _measure(
     noise: dict[Decision, dict[str, float]] = {}
     held: dict[Decision, list[int]] = {}
     freed = [0] * n
+    shared_inputs: dict[str, int] = {}
     opt_terms = (0, 0, 0)
     clock = make_clock(step.device, step.threads) if timer == "measured" else None
     for d in decisions:
@@ -402,6 +404,7 @@ def _measure(
             held[d] = frees.held_to_end
             if d is KEEP:
                 freed, step.shared = frees.freed, frees.shared
+                shared_inputs = frees.shared_inputs
         if d is KEEP and step.optimizer is not None:  # on this step's gradients
             opt_terms = _optimizer_terms(step.state, step.optimizer, step.counted)
         if clock is not None:
@@ -444,6 +447,7 @@ def _measure(
         held_before=offload[1],
         mutating=set(calls.mutating),
         splittable=splittable,
+        shared_inputs=shared_inputs,
     )
     return m, opt_terms, scratch, calls, kept
 

@@ -44,7 +44,7 @@ from .amp import fresh_region
 from .apply import apply_decision
 from .scratch import mark_window
 from .state import StepState, grad_bytes
-from .types import Decision, Timeline
+from .types import Decision, SharedInput, Timeline
 
 _log = logging.getLogger(__name__)
 
@@ -222,6 +222,8 @@ class TimelineProbe:
             bwd_grads=[0] * n, input_bytes=[0] * n,
         )  # fmt: skip
         self.line.outputs_freed = [0] * max(n - 1, 0)
+        self.line.fwd_tail = [0] * n
+        self.inner = 0  # the peak of the open forward window up to its block's return
         self.phase: tuple[str, int] = ("pre", -1)
         self.window = tracker.open_window()
         # each block's outputs, those of them the next block did not receive, and of those
@@ -243,8 +245,8 @@ class TimelineProbe:
         grads = grad_bytes(self.params, self.counted)
         if kind == "pre":
             line.pre_peak = peak
-        elif kind == "fwd":
-            line.fwd_peak[i] = peak
+        elif kind == "fwd":  # the window's part after the block returned was open
+            line.fwd_peak[i], line.fwd_tail[i] = max(peak, self.inner), peak
         elif kind == "top":
             line.top_peak, line.top_grads = peak, grads
         elif kind == "bwd":
@@ -264,13 +266,18 @@ class TimelineProbe:
                 r for r in self.outs[i - 1] if not any(r() is t for t in got)
             ]
         self.line.fwd_start[i] = self._switch(("fwd", i))
+        self.inner = 0
         self.seq[i] = self.tracker.allocations
 
     def after(self, i: int, args: Any, kwargs: Any, out: Any) -> None:
         if i == self.last:
             self.line.top_start = self._switch(("top", -1))
+            self.line.fwd_tail[i] = self.line.fwd_peak[i]
             self.seq[-1] = self.tracker.allocations
             self.held = [storage_sizes(refs, self.counted) for refs in self.unpassed]
+        else:  # the rest of the window (the model's code before the next block) on its own
+            self.inner = self.tracker.close_window(self.window)
+            self.window = self.tracker.open_window()
         outs: list[torch.Tensor] = []
         tensors_in(out, outs)
         self.outs[i] = [weakref.ref(t) for t in outs]
@@ -363,7 +370,12 @@ class InputFrees:
 
     The step model adds each block's bytes at its own decision, so a free that happens only
     because the block before does not hold its output is a pair effect: under ``selective``
-    the block's cache can hold that output (the step model counts it as held).
+    the block's cache can hold that output (the step model counts it as held). An output
+    handed on past the next block (a position bias each block returns again) is not such a
+    free: with every storage the blocks received that died in forward, by the blocks that
+    received it and the window it died in, it is in ``shared_inputs``
+    (:class:`~remat.planner.types.SharedInput`), but one block's input that died in that
+    block's own window (its terms have it).
 
     Its forward hook on ``model`` (:meth:`end`) is removed by :meth:`remove`.
     """
@@ -389,22 +401,87 @@ class InputFrees:
         self.alive: list[Stored] = [[] for _ in range(n)]
         self.held_to_end = [0] * n
         self.many: set[int] = set()  # storages of tensors passed to two or more blocks
+        # every storage handed to a block (but the above): [ref, bytes, the blocks that
+        # received it, the window it died in or None], for ``shared_inputs``
+        self.tracked: dict[int, list[Any]] = {}
+        self.done: list[list[Any]] = []  # entries whose key a later storage took
+        self.shared_inputs: dict[str, int] = {}
+        self.keys: dict[int, set[int]] = {}  # id of an entry of ``passed``: its storages
         self.handle = model.register_forward_hook(self.end)
 
     # Read when the block after next starts (the model's loop variable has moved on by
     # then; a hook of the next block itself still sees its arguments alive).
     def before(self, i: int, args: Any, kwargs: Any) -> None:
+        self._deaths(i - 1)
         got: list[torch.Tensor] = []
         tensors_in((args, kwargs), got)
         self._seen(got, i)
         mine = [t for t in got if id(t) not in self.outside and not storage_keys(t) & self.many]
         self.inputs[i] = stored(mine)
+        self._received(i)
         if i == 0:
             return
         self.alive[i - 1] = [e for e in self.inputs[i - 1] if e[0]() is not None]
-        self.passed[i - 1] = sizes([r for r in self.outs[i - 1] if any(r() is t for t in got)])
+        self.passed[i - 1] = self._keyed(
+            sizes([r for r in self.outs[i - 1] if any(r() is t for t in got)])
+        )
         if i >= 2:
-            self.freed[i - 2] = dead_bytes(self.passed[i - 2])
+            self.freed[i - 2] = self._freed(i - 2, self.passed[i - 2])
+
+    def _keyed(self, sized: Sized) -> Sized:
+        """``sized``, with each entry's storage keys noted (read while it is alive)."""
+        for r, _ in sized:
+            t = r()
+            if t is not None:
+                self.keys[id(r)] = storage_keys(t)
+        return sized
+
+    def _freed(self, i: int, passed: Sized) -> int:
+        """The bytes of block ``i``'s outputs in ``passed`` that died, but those handed on to
+        a block after the next (a position bias each block returns again: in
+        ``shared_inputs``, whose terms count its death)."""
+        out = 0
+        for r, nbytes in passed:
+            if r() is not None:
+                continue
+            later = {
+                j
+                for key in self.keys.get(id(r), ())
+                if (e := self.tracked.get(key)) is not None
+                for j in e[2]
+            }
+            if later <= {i + 1}:
+                out += nbytes
+        return out
+
+    def _received(self, i: int) -> None:
+        for ref, nbytes, key in self.inputs[i]:
+            e = self.tracked.get(key)
+            if e is not None and e[0]() is not ref():  # a dead storage's key, taken again
+                self.done.append(e)
+                e = None
+            if e is None:
+                e = self.tracked[key] = [ref, nbytes, [], None]
+            e[2].append(i)
+
+    def _deaths(self, window: int) -> None:
+        """The tracked storages that died since the last look died in ``window``."""
+        for e in self.tracked.values():
+            if e[3] is None and e[0]() is None:
+                e[3] = window
+
+    def _shared_inputs(self) -> dict[str, int]:
+        """The storages that died in forward, by :attr:`~remat.planner.types.SharedInput.key`,
+        but those that one block received and that died in its own window (the block's
+        terms have them exactly: :mod:`remat.planner.stepmodel`)."""
+        out: dict[str, int] = {}
+        for key_, e in [*((None, e) for e in self.done), *self.tracked.items()]:
+            _, nbytes, blocks, dies = e
+            if dies is None or (key_ is not None and key_ in self.many) or blocks == [dies]:
+                continue
+            g = SharedInput(tuple(blocks), dies, nbytes)
+            out[g.key] = out.get(g.key, 0) + nbytes
+        return out
 
     def _seen(self, got: list[torch.Tensor], i: int) -> None:
         prev = {id(t) for r in self.outs[i - 1] if (t := r()) is not None} if i else set()
@@ -428,7 +505,8 @@ class InputFrees:
         tensors_in(out, got)
         self.outs[i] = [weakref.ref(t) for t in got]
         if i == self.last:
-            self.out_sizes = sizes(self.outs[i])
+            self._deaths(i)
+            self.out_sizes = self._keyed(sizes(self.outs[i]))
             self.alive[i] = [e for e in self.inputs[i] if e[0]() is not None]
 
     def end(self, module: Any, args: Any, out: Any) -> None:
@@ -436,13 +514,15 @@ class InputFrees:
         arguments, are read now."""
         last = self.last
         if last >= 1:
-            self.freed[last - 1] = dead_bytes(self.passed[last - 1])
-        self.freed[last] = dead_bytes(self.out_sizes)
+            self.freed[last - 1] = self._freed(last - 1, self.passed[last - 1])
+        self.freed[last] = self._freed(last, self.out_sizes)
         shared = [
             s for key, (_, count) in self.args.items() if count >= 2 for s in self.arg_sizes[key]
         ]
         self.shared = dead_bytes(shared)
         self.held_to_end = [dead_storage_bytes(alive) for alive in self.alive]
+        self._deaths(last + 1)
+        self.shared_inputs = self._shared_inputs()
 
     def remove(self) -> None:
         self.handle.remove()

@@ -222,14 +222,21 @@ def floor(
     """The plan of the smallest predicted step peak (spans up to ``max_span`` blocks), and
     that peak."""
     terms = solver_terms(profile)
-    ds, spans = smallest_chain(
-        terms.blocks,
-        terms.top,
-        profile.decisions,
-        max_span,
-        profile.spans_may_join,
-        profile.outputs_kept,
-    )
+    # the safe terms' floor, and where those are a bound, the optimistic ones' (either may
+    # be lower under the exact terms of step_peak)
+    tries = [terms.blocks] + ([terms.optimistic] if terms.optimistic else [])
+    plans = [
+        smallest_chain(
+            blocks,
+            terms.top,
+            profile.decisions,
+            max_span,
+            profile.spans_may_join,
+            profile.outputs_kept,
+        )
+        for blocks in tries
+    ]
+    ds, spans = min(plans, key=lambda p: step_peak(profile, *p).bytes)
     low = step_peak(profile, ds, spans)
     keep_all = unchecked_peak(profile)
     if keep_all.bytes < low.bytes:  # only with shared bytes: no checkpoint, nothing kept

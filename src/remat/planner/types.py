@@ -43,10 +43,12 @@ __all__ = [
     "Segment",
     "Span",
     "SpanKind",
+    "SharedInput",
     "SpanLike",
     "StepPeak",
     "Timeline",
     "Where",
+    "shared_inputs",
 ]
 
 #: How ranks agree over a field (:mod:`remat.planner.distributed`): every rank must hold the
@@ -215,6 +217,11 @@ class BlockCosts:
     ``fwd_scratch`` / ``bwd_scratch`` are the most memory one operator of the block's forward
     / backward window allocates and frees inside (scratch, which the allocator counts and
     the tensor bytes do not: :mod:`remat.planner.scratch`), measured with every block kept.
+
+    ``fwd_tail`` is the peak, above ``fwd_start``, of the part of the block's forward window
+    after the block returned (the model's code before the next block), every block kept
+    (``NEVER``: not measured): where a tensor handed to several blocks dies there
+    (:class:`SharedInput`), a plan that holds it adds its bytes to this part only.
     """
 
     name: str = dataclasses.field(metadata=SAME)
@@ -234,6 +241,7 @@ class BlockCosts:
     held_to_end: int = dataclasses.field(default=0, metadata=MAX)
     fwd_scratch: int = dataclasses.field(default=0, metadata=MAX)
     bwd_scratch: int = dataclasses.field(default=0, metadata=MAX)
+    fwd_tail: int = dataclasses.field(default=NEVER, metadata=MAX)
 
     def __post_init__(self) -> None:
         for f in ("retained", "fwd_excess", "bwd_excess", "cost", "noise", "exit_freed",
@@ -246,6 +254,44 @@ class BlockCosts:
     def decisions(self) -> list[Decision]:
         """The decisions this block was measured under (and may take)."""
         return [d for d in self.retained if d in self.cost]
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedInput:
+    """Tensors (their storages) handed to the blocks ``consumers`` that die in forward with
+    every block kept, in the forward window ``dies`` (block ``dies``'s, after it returned;
+    ``dies == n``, the number of blocks: after the last block, as forward returns): a
+    position bias the first block of a stack makes and the others receive, a mask the model
+    passes to a few blocks. A checkpoint of any consumer holds them into its backward, so
+    under a plan they are alive, once, from ``dies`` on and in every backward window from
+    the last consumer's down to the first checkpointed consumer's.
+
+    ``key`` spells the consumers and ``dies`` (``"1,2,3>8"``): the profile keeps the bytes of
+    every such tensor by it (tensors with the same consumers and death add up).
+
+    Example:
+        >>> g = SharedInput.of("1,2,3>8", 65536)
+        >>> g.consumers, g.dies, g.key
+        ((1, 2, 3), 8, '1,2,3>8')
+    """
+
+    consumers: tuple[int, ...]
+    dies: int
+    bytes: int
+
+    @property
+    def key(self) -> str:
+        return f"{','.join(map(str, self.consumers))}>{self.dies}"
+
+    @classmethod
+    def of(cls, key: str, nbytes: int) -> SharedInput:
+        blocks, _, dies = key.partition(">")
+        return cls(tuple(int(j) for j in blocks.split(",")), int(dies), int(nbytes))
+
+
+def shared_inputs(groups: dict[str, int]) -> list[SharedInput]:
+    """The :class:`SharedInput` s of a profile's ``shared_inputs``, in key order."""
+    return [SharedInput.of(k, v) for k, v in sorted(groups.items()) if v]
 
 
 @dataclasses.dataclass
@@ -281,6 +327,10 @@ class Timeline:
     #: and dead when the block's backward starts (the model's head used them and freed
     #: them). Empty: not recorded.
     outputs_freed: list[int] = dataclasses.field(default_factory=list)
+    #: Per block, the peak of its forward window after it returned (the model's code before
+    #: the next block; the last block's window ends as it returns: its whole window's
+    #: peak). Empty: not recorded.
+    fwd_tail: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,6 +407,8 @@ class Measurements:
             last block's: as the forward returned) but a kept or selective block before holds.
         mutating: blocks that change one of their input tensors in place.
         splittable: blocks with two or more children with parameters.
+        shared_inputs: tensors handed to blocks that die in forward with every block kept
+            (:class:`SharedInput`, by :attr:`SharedInput.key`).
     """
 
     names: list[str]
@@ -372,6 +424,7 @@ class Measurements:
     held_before: list[int]
     mutating: set[str]
     splittable: set[str]
+    shared_inputs: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -427,6 +480,10 @@ class ProfileData:
             attention mask, rotary tables) that die when the forward returns with every
             block kept; a checkpointed block keeps them until its backward
             (:func:`~remat.planner.stepmodel.checkpointed_view`).
+        shared_inputs: the bytes of the tensors handed to blocks (by storage) that die in
+            forward with every block kept, by :attr:`SharedInput.key` (the blocks that
+            received them and where they die; :func:`shared_inputs` reads them): a checkpoint
+            of any of those blocks holds them into its backward, once however many do.
     """
 
     blocks: list[BlockCosts]
@@ -455,6 +512,7 @@ class ProfileData:
     scratch_located: bool = dataclasses.field(default=False, metadata=SAME)
     pre_scratch: int = dataclasses.field(default=0, metadata=MAX)
     top_scratch: int = dataclasses.field(default=0, metadata=MAX)
+    shared_inputs: dict[str, int] = dataclasses.field(default_factory=dict, metadata=MAX)
 
     def __post_init__(self) -> None:
         self.decisions = [Decision(d) for d in self.decisions]

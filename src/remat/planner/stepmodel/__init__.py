@@ -96,6 +96,22 @@ Jain et al. 2020 (Checkmate, arXiv:1910.02653) at block rather than operator
 granularity, with selective checkpointing and host offload as extra
 per-block choices.
 
+Tensors handed to several blocks
+--------------------------------
+A tensor the blocks receive that dies in forward with every block kept (T5's position
+bias: the first block of a stack makes it, the others receive it and return it again) is
+held into backward by a checkpoint of any receiver, once however many hold it: alive after
+the window it dies in under ``keep`` and in the backward of every block from the last
+down to the first receiver that holds it (``Profile.shared_inputs``,
+:class:`~remat.planner.types.SharedInput`; a mask the model's own code makes and passes to
+every block is ``shared_bytes``, :func:`checkpointed_view`). "Once if any" is not linear in
+the decisions, so the profile's terms count it once per holding receiver (a bound: never
+low, exact with one holder), :func:`step_peak` takes the extra copies back (exact for plans
+without spans; with spans the bound), and :func:`solver_terms` also gives terms that count
+it by its last receiver only (never high, when it dies in its last receiver's window or as
+forward returns), which :func:`remat.plan` solves first: a plan they choose that fits under
+the exact terms is optimal.
+
 Not covered: blocks that are not a chain (skip connections across blocks
 other than the residual stream), data-dependent shapes (the profile is valid
 for the input shapes it was measured with), tensors the process holds that

@@ -63,6 +63,7 @@ def with_scratch(prof: P) -> P:
             dataclasses.replace(
                 b,
                 fwd_excess={d: v + fwd[i] for d, v in b.fwd_excess.items()},
+                fwd_tail=b.fwd_tail + fwd[i] if b.fwd_tail > NEVER else b.fwd_tail,
                 bwd_excess=back,
                 pre_exit={d: v + top for d, v in b.pre_exit.items()},
             )

@@ -7,7 +7,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from ..types import NEVER, BlockCosts, Decision, Measurements, Timeline
+from ..types import NEVER, BlockCosts, Decision, Measurements, SharedInput, Timeline, shared_inputs
 
 KEEP, RECOMPUTE, SELECTIVE, OFFLOAD, SPLIT = (
     Decision.KEEP,
@@ -35,7 +35,15 @@ def derive_blocks(m: Measurements) -> list[BlockCosts]:
             b.retained[SELECTIVE] += f
             if b.bwd_excess[SELECTIVE] > NEVER:  # a backward window was seen
                 b.bwd_excess[SELECTIVE] -= f  # its own backward: as measured
-    _held_to_end(out, m.held_to_end)
+    keep = m.lines[KEEP]
+    for i, b in enumerate(out):
+        b.held_to_end = m.held_to_end.get(KEEP, [0] * len(out))[i]
+        if keep.fwd_tail:
+            b.fwd_tail = keep.fwd_tail[i] - keep.fwd_start[i]
+    groups = shared_inputs(m.shared_inputs)
+    _shared_inputs(out, groups)
+    if OFFLOAD in m.held_to_end:
+        _offload_held(out, m.held_to_end[OFFLOAD], groups)
     _outputs_freed(out, {d: t.outputs_freed for d, t in m.lines.items()})
     last = len(out) - 1
     for i, (b, f, h) in enumerate(zip(out, m.offload_inputs, m.held_before)):
@@ -146,31 +154,66 @@ def _not_freed_at_exit(b: BlockCosts, h: int) -> None:
         b.exit_freed = {}
 
 
-def _held_to_end(costs: list[BlockCosts], held: dict[Decision, list[int]]) -> None:
-    """Block inputs that live to the end of forward and then die, measured per line in
-    ``held``: the model's code keeps them (a list of hidden states) and the block keeps none
-    of them on the device (under ``keep``: it saves none, or only autocast's copy; under
-    ``offload``: its saved copy is in host memory), while a checkpoint of the block holds
-    them into its backward. They count as kept in forward and not after it under that
-    decision (``exit_freed``, in place), so every backward term from the block's on has
-    them exactly when the plan holds them. The uniform lines' derived backward terms had
-    them (or not) for every block before: moved out of them here."""
+def _shared_inputs(costs: list[BlockCosts], groups: Sequence[SharedInput]) -> None:
+    """Tensors handed to several blocks (or dying in a later block's window) that die in
+    forward with every block kept (:class:`~remat.planner.types.SharedInput`), in place.
+
+    Each is counted as kept by every consumer that holds its inputs (``retained[keep]``,
+    and ``offload``'s, lower by its bytes; where it dies as forward returns only into
+    backward: ``exit_freed``), so a plan's terms count it once per checkpointed consumer:
+    never low, exact with one; :func:`~remat.planner.stepmodel.peak.step_peak` takes the
+    extra copies back. The uniform lines' terms are made free of it: a checkpointing line
+    held it from the first consumer's backward window on (measured once in each
+    ``bwd_excess``), and did not free it in the window it dies in under ``keep`` (that
+    block's ``retained``).
+    """
     n = len(costs)
-    lines = {d: held.get(d, [0] * n) for d in HELD_LINES}
-    total: dict[Decision, int] = {}
+    for g in groups:
+        s, first = g.bytes, min(g.consumers)
+        for j in g.consumers:
+            b = costs[j]
+            for d in HELD_LINES:
+                if d in b.retained:
+                    b.retained[d] -= s
+                    if g.dies == n:
+                        b.exit_freed = b.exit_freed or dict.fromkeys(b.retained, 0)
+                        b.exit_freed[d] = b.exit_freed.get(d, 0) + s
+        if g.dies < n:
+            b = costs[g.dies]
+            for d in b.retained:
+                if d.holds_inputs:
+                    b.retained[d] -= s
+        for i, b in enumerate(costs):
+            for d, v in b.bwd_excess.items():
+                if d.holds_inputs and v > NEVER:
+                    b.bwd_excess[d] = v - s * (i >= first) + s * (g.dies <= i)
+
+
+def _offload_held(
+    costs: list[BlockCosts], held: Sequence[int], groups: Sequence[SharedInput]
+) -> None:
+    """Block inputs the ``offload`` line freed as forward returned and the ``keep`` line
+    kept into backward (a block input its saved tensors hold, which ``offload`` moved to host
+    memory), per block in ``held`` (with those of ``groups``, which both free: taken out):
+    kept by the block in forward, not after it, under ``offload`` (``exit_freed``, in place),
+    so every backward term from the block's on is without them exactly when the plan offloads
+    the block; the ``offload`` line's backward terms had them freed from block 0 on."""
+    mine = [0] * len(costs)
+    for g in groups:
+        for j in g.consumers:
+            if j != g.dies:
+                mine[j] += g.bytes
+    total = 0
     for i, b in enumerate(costs):
-        mine = {d: v[i] for d, v in lines.items() if v[i] and d in b.retained}
-        b.held_to_end = mine.get(KEEP, 0)
-        if mine:
-            x = dict(b.exit_freed) or dict.fromkeys(b.retained, 0)
-            for d, h in mine.items():
-                b.retained[d] -= h
-                x[d] = x.get(d, 0) + h
-            b.exit_freed = x
-        for d in b.bwd_excess:  # what keep's line freed and d's line held, from block 0 on
-            total[d] = total.get(d, 0) + mine.get(KEEP, 0) - mine.get(d, 0)
-            if total[d] and b.bwd_excess[d] > NEVER:
-                b.bwd_excess[d] -= total[d]
+        extra = max(0, held[i] - mine[i]) if OFFLOAD in b.retained else 0
+        if extra:
+            b.retained[OFFLOAD] -= extra
+            b.exit_freed = b.exit_freed or dict.fromkeys(b.retained, 0)
+            b.exit_freed[OFFLOAD] = b.exit_freed.get(OFFLOAD, 0) + extra
+        total += extra
+        v = b.bwd_excess.get(OFFLOAD, NEVER)
+        if total and v > NEVER:
+            b.bwd_excess[OFFLOAD] = v + total
 
 
 def _outputs_freed(costs: list[BlockCosts], freed: dict[Decision, list[int]]) -> None:
@@ -182,7 +225,7 @@ def _outputs_freed(costs: list[BlockCosts], freed: dict[Decision, list[int]]) ->
     under the decisions whose line freed them (``exit_freed``, in place), so the backward
     terms of the blocks after this one (whose backward comes first) have them exactly when
     the plan holds them; the uniform lines' derived backward terms are moved as in
-    :func:`_held_to_end`."""
+    :func:`_shared_inputs`."""
     n = len(costs)
     lines = {d: v if len(v) == n - 1 else [0] * (n - 1) for d, v in freed.items()}
     total: dict[Decision, int] = {}

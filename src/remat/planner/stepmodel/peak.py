@@ -13,10 +13,12 @@ from ..types import (
     Decision,
     Phase,
     ProfileData,
+    SharedInput,
     Span,
     SpanLike,
     StepPeak,
     Where,
+    shared_inputs,
 )
 from .segments import input_offload_cost, layout
 
@@ -108,13 +110,16 @@ def solver_terms(prof: ProfileData, checkpointed: bool = True) -> Terms:
     """The terms the solvers plan over: with ``checkpointed`` (plans that checkpoint
     something) those of :func:`checkpointed_view`; where an autocast region ends before
     backward the safe single-sum terms, and the optimistic ones to try first
-    (:func:`exit_view`)."""
+    (:func:`exit_view`); where tensors are handed to several blocks, the optimistic ones
+    count each by its last receiver only (:func:`shared_view`)."""
     blocks, top = list(prof.blocks), prof.top
     if checkpointed and prof.shared_bytes:
         blocks, top = checkpointed_view(blocks, top, prof.shared_bytes)
-    if has_exit(blocks):
-        return Terms(exit_view(blocks, safe=True), top, exit_view(blocks, safe=False))
-    return Terms(blocks, top)
+    groups = shared_inputs(prof.shared_inputs)
+    low = shared_view(blocks, groups) if groups else blocks
+    if has_exit(blocks) or has_exit(low):
+        return Terms(exit_view(blocks, safe=True), top, exit_view(low, safe=False))
+    return Terms(blocks, top, low if groups else None)
 
 
 def plan_terms(
@@ -131,28 +136,108 @@ _BEFORE = Where(Phase.BEFORE_BLOCKS)
 _AFTER = Where(Phase.AFTER_BLOCKS)
 
 
+@dataclasses.dataclass
+class _Copies:
+    """The bytes of :class:`~remat.planner.types.SharedInput` s a plan's terms count more
+    than once (once per checkpointed consumer; alive once), per window."""
+
+    fwd: list[int]
+    bwd: list[int]
+    top: int = 0
+    pre_exit: int = 0
+
+
+def _extra_copies(
+    blocks: Sequence[BlockCosts], ds: Sequence[Decision], groups: Sequence[SharedInput]
+) -> _Copies:
+    n = len(blocks)
+    out = _Copies([0] * n, [0] * n)
+    for g in groups:
+        held = [j for j in g.consumers if ds[j].holds_inputs]
+        if not held:
+            continue
+        s, w = g.bytes, g.dies
+        for i in range(n):  # block i's backward: alive (once) if a consumer j <= i holds it
+            out.bwd[i] += s * max(0, sum(j <= i for j in held) - 1)
+        out.top += s * (len(held) - 1)
+        if w >= n:  # counted in backward only (exit_freed): forward is exact
+            continue
+        out.pre_exit += s * (len(held) - 1)
+        for k in range(n):
+            before = sum(j < k for j in held)
+            if k < w:  # alive under keep as well
+                alive = 0
+            elif k > w:
+                alive = s
+            elif before == 0 or ds[k].holds_inputs:  # its own line held it (or none did)
+                alive = 0
+            else:  # under keep it died after block w returned: the tail holds it now
+                b = blocks[k]
+                tail = b.fwd_tail if b.fwd_tail > NEVER else b.fwd_excess[ds[k]]
+                alive = max(0, tail + s - b.fwd_excess[ds[k]])
+            out.fwd[k] += s * before - alive
+    return out
+
+
 def _exact_terms(
-    blocks: Sequence[BlockCosts], top: int, decisions: Sequence[str], pre: int
+    blocks: Sequence[BlockCosts],
+    top: int,
+    decisions: Sequence[str],
+    pre: int,
+    groups: Sequence[SharedInput] = (),
 ) -> tuple[int, Where]:
     """:func:`activation_terms` of a plan without spans, in two running sums (forward and
-    backward: see :func:`exit_view`)."""
+    backward: see :func:`exit_view`), each tensor of ``groups`` counted once."""
+    ds = [Decision(d) for d in decisions]
+    over = _extra_copies(blocks, ds, groups)
     saved_f = saved_b = 0
     peak, where = pre, _BEFORE
-    for b, d in zip(blocks, map(Decision, decisions)):
-        fwd = b.fwd_start - saved_f + b.fwd_excess[d]
+    for i, (b, d) in enumerate(zip(blocks, ds)):
+        fwd = b.fwd_start - saved_f + b.fwd_excess[d] - over.fwd[i]
         if fwd > peak:
             peak, where = fwd, Where(Phase.FORWARD, b.name)
         x = b.exit_freed
         saved_f += b.retained[KEEP] + x.get(KEEP, 0) - b.retained[d] - x.get(d, 0)
         saved_b += b.retained[KEEP] - b.retained[d]
-        bwd = b.bwd_start - saved_b + b.bwd_excess[d]
+        bwd = b.bwd_start - saved_b + b.bwd_excess[d] - over.bwd[i]
         if bwd > peak:
             peak, where = bwd, Where(Phase.BACKWARD, b.name)
-        if d in b.pre_exit and b.pre_exit[d] - saved_f > peak:
-            peak, where = b.pre_exit[d] - saved_f, _AFTER
-    if top - saved_b > peak:
-        peak, where = top - saved_b, _AFTER
+        if d in b.pre_exit and b.pre_exit[d] - saved_f - over.pre_exit > peak:
+            peak, where = b.pre_exit[d] - saved_f - over.pre_exit, _AFTER
+    if top - saved_b - over.top > peak:
+        peak, where = top - saved_b - over.top, _AFTER
     return peak, where
+
+
+def shared_view(
+    blocks: Sequence[BlockCosts], groups: Sequence[SharedInput]
+) -> list[BlockCosts]:
+    """Terms never above the exact ones (:func:`_exact_terms`) for the solvers to try first
+    where tensors are handed to several blocks: each counted by its last consumer only
+    (the profile's terms count it by every consumer, never below the exact ones; see
+    :func:`~remat.planner.stepmodel.derive._shared_inputs`). Where it dies before the last
+    block, that consumer counts it in forward too (never above the exact terms unless it
+    dies after a later block than its last consumer's window)."""
+    out = [
+        dataclasses.replace(b, retained=dict(b.retained), exit_freed=dict(b.exit_freed))
+        for b in blocks
+    ]
+    n = len(out)
+    for g in groups:
+        last = max(g.consumers)
+        for j in g.consumers:
+            if j == last:
+                continue
+            b = out[j]
+            for d in (KEEP, OFFLOAD):
+                if d in b.retained:
+                    b.retained[d] += g.bytes
+                    if g.dies >= n and d in b.exit_freed:
+                        b.exit_freed[d] -= g.bytes
+    for b in out:
+        if b.exit_freed and not any(b.exit_freed.values()):
+            b.exit_freed = {}
+    return out
 
 
 def activation_terms(
@@ -161,14 +246,19 @@ def activation_terms(
     decisions: Sequence[str],
     pre: int = 0,
     spans: Sequence[SpanLike] = (),
+    groups: Sequence[SharedInput] = (),
 ) -> tuple[int, Where]:
     """The activation peak and where it falls.
 
     Where an autocast region ends before backward (:func:`has_exit`), a plan without
     spans is exact in two running sums, and a plan with spans is bounded by the safe
     single-sum terms of :func:`exit_view` (never low; high by the cached casts of kept
-    blocks in forward terms).
+    blocks in forward terms). The tensors of ``groups`` (the profile's
+    :class:`~remat.planner.types.SharedInput` s) are counted once in a plan without spans;
+    a plan with spans counts them once per checkpointed consumer (never low).
     """
+    if groups and not spans:
+        return _exact_terms(blocks, top, decisions, pre, groups)
     if has_exit(blocks):
         if not spans:
             return _exact_terms(blocks, top, decisions, pre)
@@ -215,7 +305,8 @@ def step_peak(
     kept = prof.grad_bytes if prof.grads_kept else 0
     state = prof.optimizer_state_bytes
     blocks, top = plan_terms(prof, decisions, spans)
-    act, where = activation_terms(blocks, top, decisions, prof.pre, spans)
+    groups = shared_inputs(prof.shared_inputs)
+    act, where = activation_terms(blocks, top, decisions, prof.pre, spans, groups)
     grads_at = _grads_at(prof, where)
     base = {"static": static, "gradients": kept, "optimizer": state}
     best = StepPeak(
