@@ -45,3 +45,29 @@ def test_kv_cache_under_checkpointing_names_use_cache():
     del batch["use_cache"]  # the config's default: True
     with pytest.raises(remat.CheckpointError, match="Pass use_cache=False"):
         remat.profile(model, timer="flops", **batch)
+
+
+@pytest.mark.slow
+def test_t5_plans_checkpointing_some_of_the_blocks_its_bias_reaches_are_predicted_exactly():
+    # T5's position bias (made by the first block of each stack, handed along the others)
+    # is held by any checkpointed receiver, once: each block alone (the last decoder block
+    # alone was predicted 4 % low) and random mixes, to the byte
+    from remat.planner.apply import apply_decision
+
+    torch.manual_seed(0)
+    model, batch = FAMILIES["t5"][0]()
+    prof = remat.profile(model, timer="flops", **batch)
+    assert prof.shared_inputs == {"1,2,3>3": 65536, "5,6,7>8": 49152}
+    n = len(prof.blocks)
+    gen = torch.Generator().manual_seed(0)
+    choices = ("keep", "recompute", "selective")
+    plans = [["keep"] * i + ["recompute"] + ["keep"] * (n - 1 - i) for i in range(n)]
+    plans += [[choices[int(c)] for c in torch.randint(0, 3, (n,), generator=gen)] for _ in range(8)]
+    wrong = []
+    for ds in plans:
+        for b, d in zip(prof.blocks, ds):
+            apply_decision(model.get_submodule(b.name), d)
+        measured = remat.measure_peak(model, **batch)
+        if prof.peak(ds).bytes != measured:
+            wrong.append((ds, prof.peak(ds).bytes - measured))
+    assert not wrong
