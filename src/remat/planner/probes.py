@@ -48,7 +48,6 @@ from .types import Decision, SharedInput, Timeline
 
 _log = logging.getLogger(__name__)
 
-Sized = list[tuple[weakref.ref[torch.Tensor], int]]
 #: Storages with their bytes and keys: alive as long as anything holds their memory (a
 #: tensor object can die while its storage lives on: autograd saves an operator's output,
 #: ``relu``'s, as a new tensor on the same storage).
@@ -58,11 +57,6 @@ Stored = list[tuple[weakref.ref[torch.UntypedStorage], int, int]]
 def storage_keys(t: torch.Tensor) -> set[int]:
     """The keys of the storages holding ``t``'s bytes (none for an empty tensor)."""
     return {key for key, nbytes, _ in storages(t) if nbytes}
-
-
-def dead_bytes(sized: Sized) -> int:
-    """The bytes of the entries of ``sized`` whose tensor has died."""
-    return sum(b for r, b in sized if r() is None)
 
 
 def stored(tensors: Sequence[torch.Tensor]) -> Stored:
@@ -82,23 +76,6 @@ def stored(tensors: Sequence[torch.Tensor]) -> Stored:
 def dead_storage_bytes(entries: Stored) -> int:
     """The bytes of the storages of ``entries`` that have died."""
     return sum(b for r, b, _ in entries if r() is None)
-
-
-def sizes(refs: list[weakref.ref[torch.Tensor]]) -> Sized:
-    """Each live tensor with the bytes of its storages not listed before (each once)."""
-    out, seen = [], set()
-    for r in refs:
-        t = r()
-        if t is None:
-            continue
-        nbytes = 0
-        for key, n, _ in storages(t):
-            if n and key not in seen:
-                seen.add(key)
-                nbytes += n
-        if nbytes:
-            out.append((r, nbytes))
-    return out
 
 
 def storage_sizes(
@@ -387,12 +364,12 @@ class InputFrees:
         self.outside = {id(t) for t in inputs}
         self.outside |= {id(t) for t in model.parameters()} | {id(t) for t in model.buffers()}
         self.args: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}  # id -> (ref, blocks)
-        self.arg_sizes: dict[int, Sized] = {}
-        self.out_sizes: Sized = []  # the last block's
+        self.arg_sizes: dict[int, Stored] = {}
+        self.out_sizes: Stored = []  # the last block's
         self.last = n - 1
         self.shared = 0
         self.outs: list[list[weakref.ref[torch.Tensor]]] = [[] for _ in range(n)]
-        self.passed: list[Sized] = [[] for _ in range(n)]
+        self.passed: list[Stored] = [[] for _ in range(n)]
         # each block's tensor arguments (but the model's inputs, parameters and buffers), and
         # those of them still alive when its window ends (the next block starts; the last
         # block's: when it returns): the ones that then die when the forward returns are
@@ -406,7 +383,6 @@ class InputFrees:
         self.tracked: dict[int, list[Any]] = {}
         self.done: list[list[Any]] = []  # entries whose key a later storage took
         self.shared_inputs: dict[str, int] = {}
-        self.keys: dict[int, set[int]] = {}  # id of an entry of ``passed``: its storages
         self.handle = model.register_forward_hook(self.end)
 
     # Read when the block after next starts (the model's loop variable has moved on by
@@ -422,35 +398,22 @@ class InputFrees:
         if i == 0:
             return
         self.alive[i - 1] = [e for e in self.inputs[i - 1] if e[0]() is not None]
-        self.passed[i - 1] = self._keyed(
-            sizes([r for r in self.outs[i - 1] if any(r() is t for t in got)])
+        self.passed[i - 1] = stored(
+            [t for r in self.outs[i - 1] if (t := r()) is not None and any(t is u for u in got)]
         )
         if i >= 2:
             self.freed[i - 2] = self._freed(i - 2, self.passed[i - 2])
 
-    def _keyed(self, sized: Sized) -> Sized:
-        """``sized``, with each entry's storage keys noted (read while it is alive)."""
-        for r, _ in sized:
-            t = r()
-            if t is not None:
-                self.keys[id(r)] = storage_keys(t)
-        return sized
-
-    def _freed(self, i: int, passed: Sized) -> int:
-        """The bytes of block ``i``'s outputs in ``passed`` that died, but those handed on to
-        a block after the next (a position bias each block returns again: in
-        ``shared_inputs``, whose terms count its death)."""
+    def _freed(self, i: int, passed: Stored) -> int:
+        """The bytes of the storages of block ``i``'s outputs in ``passed`` that died, but
+        those handed on to a block after the next (a position bias each block returns again:
+        in ``shared_inputs``, whose terms count its death)."""
         out = 0
-        for r, nbytes in passed:
-            if r() is not None:
+        for ref, nbytes, key in passed:
+            if ref() is not None:
                 continue
-            later = {
-                j
-                for key in self.keys.get(id(r), ())
-                if (e := self.tracked.get(key)) is not None
-                for j in e[2]
-            }
-            if later <= {i + 1}:
+            e = self.tracked.get(key)
+            if e is None or set(e[2]) <= {i + 1}:
                 out += nbytes
         return out
 
@@ -491,7 +454,7 @@ class InputFrees:
             ref, count = self.args.get(id(t), (None, 0))
             if ref is None or ref() is not t:
                 ref, count = weakref.ref(t), 0
-                self.arg_sizes[id(t)] = sizes([ref])  # read while it is alive
+                self.arg_sizes[id(t)] = stored([t])
             self.args[id(t)] = (ref, count + 1)
             if count + 1 == 2:  # shared: not one block's input (Profile.shared_bytes); from
                 keys = storage_keys(t)
@@ -506,7 +469,7 @@ class InputFrees:
         self.outs[i] = [weakref.ref(t) for t in got]
         if i == self.last:
             self._deaths(i)
-            self.out_sizes = self._keyed(sizes(self.outs[i]))
+            self.out_sizes = stored([t for r in self.outs[i] if (t := r()) is not None])
             self.alive[i] = [e for e in self.inputs[i] if e[0]() is not None]
 
     def end(self, module: Any, args: Any, out: Any) -> None:
@@ -516,10 +479,10 @@ class InputFrees:
         if last >= 1:
             self.freed[last - 1] = self._freed(last - 1, self.passed[last - 1])
         self.freed[last] = self._freed(last, self.out_sizes)
-        shared = [
-            s for key, (_, count) in self.args.items() if count >= 2 for s in self.arg_sizes[key]
-        ]
-        self.shared = dead_bytes(shared)
+        shared = {
+            e[2]: e for key, (_, count) in self.args.items() if count >= 2 for e in self.arg_sizes[key]
+        }  # each storage once
+        self.shared = dead_storage_bytes(list(shared.values()))
         self.held_to_end = [dead_storage_bytes(alive) for alive in self.alive]
         self._deaths(last + 1)
         self.shared_inputs = self._shared_inputs()
@@ -529,27 +492,29 @@ class InputFrees:
 
 
 class KeptOutputs:
-    """For each block, whether the output it passed to the next block is still alive when
-    the block after next starts (``kept``). Outputs the next block did not receive (a
-    cache the model collects) are not a span's to free; an output that a later block
-    returns again, or a view of it, is the later block's."""
+    """For each block, whether the output it passed to the next block is still alive (its
+    storage) when the block after next starts (``kept``). Outputs the next block did not
+    receive (a cache the model collects) are not a span's to free; an output that a later
+    block returns again, or a view of it, is the later block's."""
 
     def __init__(self, n: int) -> None:
         self.outs: list[list[weakref.ref[torch.Tensor]]] = [[] for _ in range(n)]
-        self.passed: list[list[weakref.ref[torch.Tensor]]] = [[] for _ in range(n)]
+        self.passed: list[Stored] = [[] for _ in range(n)]
         self.kept = [False] * n
 
     def before(self, i: int, args: Any, kwargs: Any) -> None:
         got: list[torch.Tensor] = []
         tensors_in((args, kwargs), got)
         if i >= 1:  # what the block before handed to this one
-            self.passed[i - 1] = [r for r in self.outs[i - 1] if any(r() is t for t in got)]
+            self.passed[i - 1] = stored(
+                [t for r in self.outs[i - 1] if (t := r()) is not None and any(t is u for u in got)]
+            )
         j = i - 2
         if j < 0:
             return
-        alive = [t for r in self.passed[j] if (t := r()) is not None]
         later = [t for r in self.outs[j + 1] if (t := r()) is not None] + got
-        self.kept[j] = any(not any(t is u or shares_storage(t, u) for u in later) for t in alive)
+        held = {key for t in later for key in storage_keys(t)}
+        self.kept[j] = any(ref() is not None and key not in held for ref, _, key in self.passed[j])
 
     def after(self, i: int, args: Any, kwargs: Any, out: Any) -> None:
         got: list[torch.Tensor] = []
