@@ -48,6 +48,7 @@ def _summary() -> dict:
     return {"command": "test", "dry_run": True, "started": "now", "parts": {}}
 
 
+@pytest.mark.slow  # 12-16 s: every part of the GPU check, dry
 def test_dry_run_runs_every_part_and_writes_the_summary(script, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     start = time.monotonic()

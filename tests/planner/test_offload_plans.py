@@ -32,6 +32,7 @@ def test_offload_is_offered_where_offload_moves_tensors_off_the_device():
         assert "offload" in remat.profile(model, x, timer="flops").decisions
 
 
+@pytest.mark.slow  # 8 s: every per-block plan on the simulated device
 def test_every_per_block_offload_plan_is_predicted_exactly_on_a_device():
     torch.manual_seed(0)
     with simulated_device(0):
@@ -137,6 +138,7 @@ def _check_grid(n: int, inners: list[str], others: list[str]) -> None:
         assert not wrong
 
 
+@pytest.mark.slow  # 12 s: every span layout on the simulated device
 def test_offloaded_spans_are_predicted_exactly_on_a_device():
     _check_grid(3, ["keep", "recompute", "selective"], ["keep", "offload"])
 

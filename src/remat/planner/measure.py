@@ -239,6 +239,9 @@ def profile(
         scratch_located=scratch is not None,
         pre_scratch=where.get("pre", 0),
         top_scratch=where.get("top", 0),
+        # the same whatever the plan (every block's backward is done): the largest seen
+        post=max((t.post_peak or 0 for t in m.lines.values()), default=0),
+        post_scratch=where.get("post", 0),
     )
     return agree_profile(prof) if agree else prof
 

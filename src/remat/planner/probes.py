@@ -228,6 +228,8 @@ class TimelineProbe:
             line.top_peak, line.top_grads = peak, grads
         elif kind == "bwd":
             line.bwd_peak[i], line.bwd_grads[i] = peak, grads
+        elif kind == "post":
+            line.post_peak = peak
         self.window = self.tracker.open_window()
         self.phase = phase
         return self.window.start
@@ -244,6 +246,8 @@ class TimelineProbe:
             ]
         self.line.fwd_start[i] = self._switch(("fwd", i))
         self.inner = 0
+        if i == 0:
+            inputs_done(args, kwargs, self)
         self.seq[i] = self.tracker.allocations
 
     def after(self, i: int, args: Any, kwargs: Any, out: Any) -> None:
@@ -286,6 +290,13 @@ class TimelineProbe:
             if i < self.last:
                 self.line.outputs_freed[i] = sum(b for r, b in self.held[i] if r() is None)
 
+    def inputs_done(self) -> None:
+        """The first gradient of an input of the first block: its backward is done, the
+        backward of the layers before the blocks starts (``post``), where every block's
+        backward was seen (the blocks are one chain there)."""
+        if self.phase == ("bwd", 0) and all(s is not None for s in self.line.bwd_start):
+            self._switch(("post", -1))
+
     def finish(self) -> None:
         """Close the last window (backward has returned); read the bytes alive now."""
         self._switch(("end", -1))
@@ -306,9 +317,12 @@ class WindowMarks:
     def __init__(self, n: int) -> None:
         self.last = n - 1
         self.seen: set[int] = set()
+        self.post = False
 
     def before(self, i: int, args: Any, kwargs: Any) -> None:
         mark_window(f"fwd:{i}")
+        if i == 0:
+            inputs_done(args, kwargs, self)
 
     def after(self, i: int, args: Any, kwargs: Any, out: Any) -> None:
         if i == self.last:
@@ -323,6 +337,23 @@ class WindowMarks:
         if i not in self.seen:
             self.seen.add(i)
             mark_window(f"bwd:{i}")
+
+    def inputs_done(self) -> None:
+        if len(self.seen) == self.last + 1 and not self.post:
+            self.post = True
+            mark_window("post")
+
+
+def inputs_done(args: Any, kwargs: Any, probe: TimelineProbe | WindowMarks) -> None:
+    """Call ``probe.inputs_done()`` at the first gradient of one of the first block's inputs
+    (its backward is done there); nothing when none of them needs one."""
+    found: list[torch.Tensor] = []
+    tensors_in((args, kwargs), found)
+    need = [t for t in found if t.requires_grad]
+    if need:
+        torch.autograd.graph.register_multi_grad_hook(
+            need, lambda _: probe.inputs_done(), mode="any"
+        )
 
 
 class BackwardStart:

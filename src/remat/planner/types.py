@@ -153,6 +153,7 @@ class Phase(enum.Enum):
     BACKWARD = "backward"
     RECOMPUTE = "recompute"
     AFTER_BLOCKS = "after the last block (head, loss and their backward)"
+    BEFORE_BLOCKS_BACKWARD = "backward of the layers before the first block"
     OPTIMIZER_FIRST = "optimizer.step() of the first step (optimizer state created)"
     OPTIMIZER_LATER = "optimizer.step() of later steps"
 
@@ -179,6 +180,7 @@ class Where:
         the optimizer step)."""
         return self.phase not in (
             Phase.BEFORE_BLOCKS,
+            Phase.BEFORE_BLOCKS_BACKWARD,
             Phase.OPTIMIZER_FIRST,
             Phase.OPTIMIZER_LATER,
         )
@@ -304,6 +306,10 @@ class Timeline:
     """
 
     pre_peak: int = 0
+    #: The peak after the first block's backward (the backward of the layers before the
+    #: blocks), from the first gradient of one of its inputs; ``None``: not seen (no input of
+    #: the first block needs a gradient: block 0's backward window runs to the end).
+    post_peak: int | None = None
     fwd_start: list[int] = dataclasses.field(default_factory=list)
     fwd_peak: list[int] = dataclasses.field(default_factory=list)
     top_start: int = 0
@@ -468,6 +474,12 @@ class ProfileData:
             ``bwd_scratch``): the step model then adds to each term the largest scratch of
             its window (:func:`~remat.planner.stepmodel.with_scratch`); otherwise
             ``scratch_bytes`` to every term (profiles written before it was located).
+        post: the peak (from the step's start) of the backward of the layers before the
+            first block, once the first block's backward is done (the blocks' activations
+            are freed by then, whatever the plan: a term no plan moves); 0 where block 0's
+            backward window runs to the end of backward (profiles before it was split, or
+            no input of the first block needs a gradient).
+        post_scratch: the largest scratch of one operator in that window.
         pre_scratch / top_scratch: the largest scratch of one operator before the first
             block / between the last block's forward and its backward (head, loss and
             their backward).
@@ -512,6 +524,8 @@ class ProfileData:
     scratch_located: bool = dataclasses.field(default=False, metadata=SAME)
     pre_scratch: int = dataclasses.field(default=0, metadata=MAX)
     top_scratch: int = dataclasses.field(default=0, metadata=MAX)
+    post: int = dataclasses.field(default=0, metadata=MAX)
+    post_scratch: int = dataclasses.field(default=0, metadata=MAX)
     shared_inputs: dict[str, int] = dataclasses.field(default_factory=dict, metadata=MAX)
 
     def __post_init__(self) -> None:

@@ -45,9 +45,11 @@ cover the whole forward and backward: before the first block (``pre``); block
 ``i``'s forward, from its start to the next block's start (the last block's to
 its end); from there to the last block's backward (``top``: head, loss, their
 backward); block ``i``'s backward, from the first gradient of one of its
-outputs to the first gradient of the previous block's outputs (block 0's to
-the end of backward, which covers the gradients of the layers before the
-blocks). The candidates are a chain of blocks run in order in forward and in
+outputs to the first gradient of the previous block's outputs (block 0's to the
+first gradient of one of its inputs); from there to the end of backward
+(``post``: the backward of the layers before the blocks, where every block's
+activations are freed whatever the plan; without a gradient for block 0's inputs,
+or where some block's backward comes later, block 0's window runs to the end). The candidates are a chain of blocks run in order in forward and in
 reverse order in backward (a transformer's layers). For block ``i`` and
 decision ``d`` the profile (:mod:`remat.planner.measure`) measures one
 :class:`~remat.planner.types.Timeline` with every block under ``d``, from which
@@ -77,6 +79,7 @@ With ``saved(i) = sum_{j<=i} retained[j][keep] - retained[j][d_j]`` the
 activation peak is the largest of
 
 * ``pre``                                                (before the first block)
+* ``post``                     (the backward of the layers before the first block)
 * ``fwd_start[i] - saved(i-1) + fwd_excess[i][d_i]``   (block ``i``'s forward)
 * ``bwd_start[i] - saved(i) + bwd_excess[i][d_i]``     (block ``i``'s backward)
 * ``top - saved(n)``

@@ -47,11 +47,11 @@ def with_scratch(prof: P) -> P:
         return prof
     n = len(prof.blocks)
     if prof.scratch_located:
-        pre, top, opt = prof.pre_scratch, prof.top_scratch, 0
+        pre, top, opt, post = prof.pre_scratch, prof.top_scratch, 0, prof.post_scratch
         fwd = [b.fwd_scratch for b in prof.blocks]
         bwd = [b.bwd_scratch for b in prof.blocks]
     else:
-        pre = top = opt = prof.scratch_bytes
+        pre = top = opt = post = prof.scratch_bytes
         fwd = bwd = [prof.scratch_bytes] * n
     blocks = []
     for i, b in enumerate(prof.blocks):
@@ -73,6 +73,7 @@ def with_scratch(prof: P) -> P:
         blocks=blocks,
         pre=prof.pre + pre,
         top=prof.top + top,
+        post=prof.post + post if prof.post else 0,
         optimizer_first_bytes=prof.optimizer_first_bytes + opt,
         optimizer_later_bytes=prof.optimizer_later_bytes + opt,
     )

@@ -133,6 +133,7 @@ def plan_terms(
 
 
 _BEFORE = Where(Phase.BEFORE_BLOCKS)
+_POST = Where(Phase.BEFORE_BLOCKS_BACKWARD)
 _AFTER = Where(Phase.AFTER_BLOCKS)
 
 
@@ -247,8 +248,10 @@ def activation_terms(
     pre: int = 0,
     spans: Sequence[SpanLike] = (),
     groups: Sequence[SharedInput] = (),
+    post: int = 0,
 ) -> tuple[int, Where]:
-    """The activation peak and where it falls.
+    """The activation peak and where it falls (``pre`` and ``post``: the terms before the
+    blocks and in the backward of the layers before them, which no plan moves).
 
     Where an autocast region ends before backward (:func:`has_exit`), a plan without
     spans is exact in two running sums, and a plan with spans is bounded by the safe
@@ -257,6 +260,18 @@ def activation_terms(
     :class:`~remat.planner.types.SharedInput` s) are counted once in a plan without spans;
     a plan with spans counts them once per checkpointed consumer (never low).
     """
+    peak, where = _activation_terms(blocks, top, decisions, pre, spans, groups)
+    return (post, _POST) if post > peak else (peak, where)
+
+
+def _activation_terms(
+    blocks: Sequence[BlockCosts],
+    top: int,
+    decisions: Sequence[str],
+    pre: int,
+    spans: Sequence[SpanLike],
+    groups: Sequence[SharedInput],
+) -> tuple[int, Where]:
     if groups and not spans:
         return _exact_terms(blocks, top, decisions, pre, groups)
     if has_exit(blocks):
@@ -306,7 +321,7 @@ def step_peak(
     state = prof.optimizer_state_bytes
     blocks, top = plan_terms(prof, decisions, spans)
     groups = shared_inputs(prof.shared_inputs)
-    act, where = activation_terms(blocks, top, decisions, prof.pre, spans, groups)
+    act, where = activation_terms(blocks, top, decisions, prof.pre, spans, groups, prof.post)
     grads_at = _grads_at(prof, where)
     base = {"static": static, "gradients": kept, "optimizer": state}
     best = StepPeak(
@@ -350,6 +365,8 @@ def _grads_at(prof: ProfileData, where: Where) -> int:
                 return int(b.bwd_grads)
     if where.phase is Phase.AFTER_BLOCKS:
         return int(prof.top_grads)
+    if where.phase is Phase.BEFORE_BLOCKS_BACKWARD:
+        return int(prof.end_grads)
     return 0
 
 
