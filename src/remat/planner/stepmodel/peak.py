@@ -5,6 +5,7 @@ block saves and adds; the views of the terms the solvers plan over (see
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 from ..types import (
@@ -155,17 +156,18 @@ def _extra_copies(
     out = _Copies([0] * n, [0] * n)
     for g in groups:
         held = [j for j in g.consumers if ds[j].holds_inputs]
-        if not held:
-            continue
         s, w = g.bytes, g.dies
+        if not held or (len(held) == 1 and w >= n):  # counted once: exact as it is
+            continue
+        upto = list(itertools.accumulate(int(i in held) for i in range(n)))  # holders <= i
         for i in range(n):  # block i's backward: alive (once) if a consumer j <= i holds it
-            out.bwd[i] += s * max(0, sum(j <= i for j in held) - 1)
+            out.bwd[i] += s * max(0, upto[i] - 1)
         out.top += s * (len(held) - 1)
         if w >= n:  # counted in backward only (exit_freed): forward is exact
             continue
         out.pre_exit += s * (len(held) - 1)
         for k in range(n):
-            before = sum(j < k for j in held)
+            before = upto[k - 1] if k else 0
             if k < w:  # alive under keep as well
                 alive = 0
             elif k > w:
