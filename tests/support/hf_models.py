@@ -110,3 +110,48 @@ FAMILIES = {
     "bert": (bert, stack("bert.encoder.layer.")),
     "vit": (vit, stack("vit.layers.")),
 }
+
+
+def bart() -> tuple[nn.Module, dict[str, Any]]:
+    """An encoder-decoder whose decoder receives the encoder's output in every layer."""
+    import transformers as T
+
+    cfg = T.BartConfig(
+        vocab_size=V, d_model=32, encoder_layers=3, decoder_layers=3, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        max_position_embeddings=L, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        decoder_start_token_id=2,
+    )  # fmt: skip
+    ids = _ids()
+    return T.BartForConditionalGeneration(cfg), {
+        "input_ids": ids, "labels": ids, "use_cache": False,
+    }  # fmt: skip
+
+
+def deberta() -> tuple[nn.Module, dict[str, Any]]:
+    """Relative position embeddings the encoder makes once and passes to every layer."""
+    import transformers as T
+
+    cfg = T.DebertaV2Config(
+        vocab_size=V, hidden_size=32, num_hidden_layers=DEPTH, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=L, relative_attention=True,
+        position_buckets=16, pos_att_type=["p2c", "c2p"], pad_token_id=0,
+    )  # fmt: skip
+    ids = _ids()
+    return T.DebertaV2ForMaskedLM(cfg), {"input_ids": ids, "labels": ids}
+
+
+def neox() -> tuple[nn.Module, dict[str, Any]]:
+    """Rotary tables made once and passed to every layer, parallel attention and MLP."""
+    import transformers as T
+
+    cfg = T.GPTNeoXConfig(
+        vocab_size=V, hidden_size=32, num_hidden_layers=DEPTH, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=L, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    ids = _ids()
+    return T.GPTNeoXForCausalLM(cfg), {"input_ids": ids, "labels": ids, "use_cache": False}
+
+
+#: Families checked on plans of their own (beyond those of FAMILIES): factory only.
+MORE_FAMILIES = {"bart": bart, "deberta": deberta, "neox": neox}
