@@ -123,3 +123,14 @@ def test_budgets_the_every_block_checkpoint_meets_are_planned_met_and_predicted_
     names = [f"{s}.block.{i}" for s in ("encoder", "decoder") for i in range(4)]
     out = check_default_plans(model, x, blocks=names, reached={0.7, 0.5})
     assert set(out) == {0.7, 0.5}  # 30 %: below the floor of spans too
+
+
+def test_blocks_that_return_the_bias_they_received_may_join_a_span():
+    # A block returning a tensor it received unchanged (the bias) returns no view of the
+    # block before: it is chained to it (a span may join them); the bias is a shared input
+    model, x, prof = _model()
+    assert prof.chained == [True] * 5
+    plan = remat.plan(prof, prof.smallest_budget_bytes)
+    assert plan.spans  # the floor needs spans here
+    plan.apply(model)
+    assert remat.measure_peak(model, x) <= plan.predicted_peak_bytes  # spans: never low

@@ -138,8 +138,11 @@ class CallCount:
             # A view of what the previous block returned (a Flatten, a reshape): a span
             # that ends here would keep that output alive, which the step model counts
             # as freed. Such blocks do not join the block before them.
+            # A tensor both return unchanged (a position bias handed along the stack) is no
+            # view: the step model counts it (``Profile.shared_inputs``).
             got = [t for r in self.returned if (t := r()) is not None]
-            if any(shares_storage(o, t) for o in outs for t in got):
+            made = [o for o in outs if not any(o is t for t in got)]
+            if any(shares_storage(o, t) for o in made for t in got):
                 self.links[self.link] = False
         self.link = None
         self.last = i

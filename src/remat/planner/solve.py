@@ -225,16 +225,20 @@ def floor(
     # the safe terms' floor, and where those are a bound, the optimistic ones' (either may
     # be lower under the exact terms of step_peak)
     tries = [terms.blocks] + ([terms.optimistic] if terms.optimistic else [])
+    # and without spans where the terms are a bound: a span plan is evaluated by its bound,
+    # a per-block plan exactly, which may be lower
+    longest = [max_span] + ([1] if terms.optimistic and max_span > 1 else [])
     plans = [
         smallest_chain(
             blocks,
             terms.top,
             profile.decisions,
-            max_span,
+            span,
             profile.spans_may_join,
             profile.outputs_kept,
         )
         for blocks in tries
+        for span in longest
     ]
     ds, spans = min(plans, key=lambda p: step_peak(profile, *p).bytes)
     low = step_peak(profile, ds, spans)
