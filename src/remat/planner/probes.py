@@ -27,6 +27,7 @@ probes only record; :mod:`remat.planner.stepmodel` turns what they record into t
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import warnings
 import weakref
@@ -250,7 +251,7 @@ class TimelineProbe:
         self.line.fwd_start[i] = self._switch(("fwd", i))
         self.inner = 0
         if i == 0:
-            inputs_done(args, kwargs, self)
+            watch_first_inputs(args, kwargs, self)
         self.seq[i] = self.tracker.allocations
 
     def after(self, i: int, args: Any, kwargs: Any, out: Any) -> None:
@@ -325,7 +326,7 @@ class WindowMarks:
     def before(self, i: int, args: Any, kwargs: Any) -> None:
         mark_window(f"fwd:{i}")
         if i == 0:
-            inputs_done(args, kwargs, self)
+            watch_first_inputs(args, kwargs, self)
 
     def after(self, i: int, args: Any, kwargs: Any, out: Any) -> None:
         if i == self.last:
@@ -347,7 +348,7 @@ class WindowMarks:
             mark_window("post")
 
 
-def inputs_done(args: Any, kwargs: Any, probe: TimelineProbe | WindowMarks) -> None:
+def watch_first_inputs(args: Any, kwargs: Any, probe: TimelineProbe | WindowMarks) -> None:
     """Call ``probe.inputs_done()`` at the first gradient of one of the first block's inputs
     (its backward is done there); nothing when none of them needs one."""
     found: list[torch.Tensor] = []
@@ -368,6 +369,16 @@ class BackwardStart:
 
     def __call__(self, _: Any) -> None:
         self.probe.backward_start(self.i)
+
+
+@dataclasses.dataclass
+class _Received:
+    """A storage handed to blocks: the blocks that received it, the window it died in."""
+
+    ref: weakref.ref[torch.UntypedStorage]
+    nbytes: int
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    dies: int | None = None
 
 
 class InputFrees:
@@ -412,10 +423,9 @@ class InputFrees:
         self.alive: list[Stored] = [[] for _ in range(n)]
         self.held_to_end = [0] * n
         self.many: set[int] = set()  # storages of tensors passed to two or more blocks
-        # every storage handed to a block (but the above): [ref, bytes, the blocks that
-        # received it, the window it died in or None], for ``shared_inputs``
-        self.tracked: dict[int, list[Any]] = {}
-        self.done: list[list[Any]] = []  # entries whose key a later storage took
+        # every storage handed to a block (but the above), by key, for ``shared_inputs``
+        self.tracked: dict[int, _Received] = {}
+        self.done: list[_Received] = []  # entries whose key a later storage took
         self.shared_inputs: dict[str, int] = {}
         self.handle = model.register_forward_hook(self.end)
 
@@ -447,37 +457,36 @@ class InputFrees:
             if ref() is not None:
                 continue
             e = self.tracked.get(key)
-            if e is None or set(e[2]) <= {i + 1}:
+            if e is None or set(e.blocks) <= {i + 1}:
                 out += nbytes
         return out
 
     def _received(self, i: int) -> None:
         for ref, nbytes, key in self.inputs[i]:
             e = self.tracked.get(key)
-            if e is not None and e[0]() is not ref():  # a dead storage's key, taken again
+            if e is not None and e.ref() is not ref():  # a dead storage's key, taken again
                 self.done.append(e)
                 e = None
             if e is None:
-                e = self.tracked[key] = [ref, nbytes, [], None]
-            e[2].append(i)
+                e = self.tracked[key] = _Received(ref, nbytes)
+            e.blocks.append(i)
 
     def _deaths(self, window: int) -> None:
         """The tracked storages that died since the last look died in ``window``."""
         for e in self.tracked.values():
-            if e[3] is None and e[0]() is None:
-                e[3] = window
+            if e.dies is None and e.ref() is None:
+                e.dies = window
 
     def _shared_inputs(self) -> dict[str, int]:
         """The storages that died in forward, by :attr:`~remat.planner.types.SharedInput.key`,
         but those that one block received and that died in its own window (the block's
         terms have them exactly: :mod:`remat.planner.stepmodel`)."""
         out: dict[str, int] = {}
-        for key_, e in [*((None, e) for e in self.done), *self.tracked.items()]:
-            _, nbytes, blocks, dies = e
-            if dies is None or (key_ is not None and key_ in self.many) or blocks == [dies]:
+        for key, e in [*((None, e) for e in self.done), *self.tracked.items()]:
+            if e.dies is None or key in self.many or e.blocks == [e.dies]:
                 continue
-            g = SharedInput(tuple(blocks), dies, nbytes)
-            out[g.key] = out.get(g.key, 0) + nbytes
+            g = SharedInput(tuple(e.blocks), e.dies, e.nbytes)
+            out[g.key] = out.get(g.key, 0) + e.nbytes
         return out
 
     def _seen(self, got: list[torch.Tensor], i: int) -> None:
