@@ -152,6 +152,11 @@ class _Copies:
 def _extra_copies(
     blocks: Sequence[BlockCosts], ds: Sequence[Decision], groups: Sequence[SharedInput]
 ) -> _Copies:
+    """Per window, what the terms of plan ``ds`` count of ``groups`` beyond the once it is
+    alive: the terms count a tensor once per holding consumer up to the window (backward:
+    consumers ``<= i``; forward, where it dies before the last block: ``< k``), while it is
+    alive once from the first holder's window (backward) or after the window it dies in
+    under ``keep`` (forward; in that window only above the part after the block returned)."""
     n = len(blocks)
     out = _Copies([0] * n, [0] * n)
     for g in groups:
