@@ -9,7 +9,8 @@ recorded in the summary and the next part runs.
    versions; the bytes cuBLAS and cuDNN keep after their first kernels (allocated here,
    before any part measures, so that no part counts them).
 2. ``pytest``: the GPU-marked tests (``pytest -m gpu``) in a subprocess.
-3. ``planner``: planner exactness on the device. For a small GPT and a small CNN, each with
+3. ``planner``: planner exactness on the device. For a small GPT, a small CNN and a small
+   encoder-decoder whose stacks hand a bias along (tests/support/families.py), each with
    AdamW, in fp32 and under bf16 autocast: one ``remat.profile``, then every per-block plan
    (one decision per block, every combination) applied to a freshly built model. Its
    predicted peak (``Profile.peak``) is compared with remat's meter

@@ -78,6 +78,8 @@ def test_dry_run_runs_every_part_and_writes_the_summary(script, tmp_path):
         ("gpt", "bf16-autocast"),
         ("cnn", "fp32"),
         ("cnn", "bf16-autocast"),
+        ("encdec", "fp32"),
+        ("encdec", "bf16-autocast"),
     ]
     for c in configs:
         assert "offload" in c["decisions"]  # the simulated device offers it

@@ -36,11 +36,23 @@ class CNNConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class EncDecConfig:
+    """Size of the planner part's encoder-decoder (tests/support/families.py's
+    ``EncoderDecoder``: two stacks whose first block makes a bias the others receive)."""
+
+    depth: int  # blocks per stack
+    d: int
+    seq: int
+    batch: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Sizes:
     """Model sizes and repetitions of a run (:data:`GPU_SIZES` or :data:`DRY_SIZES`)."""
 
     gpt: ModelConfig  # planner part
     cnn: CNNConfig  # planner part
+    encdec: EncDecConfig  # planner part
     max_plans: int | None  # per model and precision; None: every per-block plan
     bench: ModelConfig
     bench_rounds: int
@@ -55,6 +67,7 @@ class Sizes:
 GPU_SIZES = Sizes(
     gpt=ModelConfig(layers=3, d_model=256, seq=256, batch=8, heads=4, vocab=1024),
     cnn=CNNConfig(blocks=3, channels=64, image=32, batch=32),
+    encdec=EncDecConfig(depth=3, d=256, seq=256, batch=8),
     max_plans=None,
     # ~92M parameters, ~3 GB of activations a step, matmuls of 4096 x 1024 and up: about
     # a TFLOP a step, tens of milliseconds of GPU time against a few of Python
@@ -71,6 +84,7 @@ GPU_SIZES = Sizes(
 DRY_SIZES = Sizes(
     gpt=ModelConfig(layers=2, d_model=16, seq=8, batch=2, heads=2, vocab=32),
     cnn=CNNConfig(blocks=2, channels=4, image=8, batch=2),
+    encdec=EncDecConfig(depth=2, d=8, seq=8, batch=2),
     max_plans=3,
     bench=ModelConfig(layers=2, d_model=16, seq=8, batch=2, heads=2, vocab=32),
     bench_rounds=1,

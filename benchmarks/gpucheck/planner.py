@@ -15,7 +15,16 @@ from torch import nn
 import remat
 from remat.bench.models import build, example_input
 
-from .device import PRECISIONS, Check, CNNConfig, allocator_window, autocast, release
+from .device import (
+    PRECISIONS,
+    ROOT,
+    Check,
+    CNNConfig,
+    allocator_window,
+    autocast,
+    release,
+    sibling,
+)
 from .run import Deadline
 
 
@@ -49,7 +58,9 @@ class CNN(nn.Module):
         return self.head(h.mean((2, 3))).square().mean()  # type: ignore[no-any-return]
 
 
-PLANNER_MODELS = ("gpt", "cnn")
+PLANNER_MODELS = ("gpt", "cnn", "encdec")
+"""The planner part's models; ``encdec``: a bias handed along each stack
+(``Profile.shared_inputs``), under every decision the device offers, offload included."""
 
 
 def planner_model(check: Check, name: str) -> tuple[nn.Module, torch.Tensor]:
@@ -57,6 +68,13 @@ def planner_model(check: Check, name: str) -> tuple[nn.Module, torch.Tensor]:
     if name == "gpt":
         cfg = check.sizes.gpt
         return build(cfg, check.device), example_input(cfg, check.device)
+    if name == "encdec":
+        e = check.sizes.encdec
+        families = sibling("families", ROOT / "tests" / "support" / "families.py")
+        torch.manual_seed(0)
+        model = families.EncoderDecoder(depth=e.depth, d=e.d, seq=e.seq).to(check.device)
+        g = torch.Generator().manual_seed(1)
+        return model, torch.randn(e.batch, e.seq, e.d, generator=g).to(check.device)
     c = check.sizes.cnn
     torch.manual_seed(0)
     model = CNN(c).to(check.device)
