@@ -33,6 +33,7 @@ PLANNER_LAYERS = [
     "counting",
     "calibration",
     "timing",
+    "meta",
     "probes",
     "measure",
     "shapefit",

@@ -29,7 +29,9 @@ elements (a view's, not its storage's), what a copy of it moves.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import contextvars
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -45,6 +47,35 @@ _SPARSE_PARTS = {
 }
 
 
+_META_HOLDS = contextvars.ContextVar("remat_meta_holds_bytes", default=False)
+
+
+@contextlib.contextmanager
+def meta_holds_bytes() -> Iterator[None]:
+    """Inside, a meta tensor holds the bytes of its storage, as it would on a real device:
+    how a model built on the meta device is measured from its shapes alone (the planner's
+    shapes-only profile). Outside (the default) a meta tensor holds none.
+
+    Example:
+        >>> import torch
+        >>> x = torch.empty(4, 4, device="meta")
+        >>> with meta_holds_bytes():
+        ...     inside = storage_bytes([x])
+        >>> inside, storage_bytes([x])
+        (64, 0)
+    """
+    token = _META_HOLDS.set(True)
+    try:
+        yield
+    finally:
+        _META_HOLDS.reset(token)
+
+
+def meta_counts() -> bool:
+    """Whether meta tensors hold bytes here (inside :func:`meta_holds_bytes`)."""
+    return _META_HOLDS.get()
+
+
 def leaves(t: torch.Tensor) -> list[torch.Tensor]:
     """The dense tensors whose storages hold ``t``'s memory (none for a meta tensor).
 
@@ -55,7 +86,7 @@ def leaves(t: torch.Tensor) -> list[torch.Tensor]:
         [(2, 3), (3,)]
     """
     if t.layout is _STRIDED and type(t) in _PLAIN:
-        return [] if t.is_meta else [t]
+        return [] if t.is_meta and not _META_HOLDS.get() else [t]
     if is_traceable_wrapper_subclass(t):
         names, _ = t.__tensor_flatten__()
         inner = [getattr(t, n) for n in names]  # some subclasses list a DeviceMesh too
@@ -67,10 +98,11 @@ def leaves(t: torch.Tensor) -> list[torch.Tensor]:
         with torch._C._DisableTorchDispatch():
             got = [getattr(t, p)() for p in parts]
         return [x for p in got for x in leaves(p)]
-    if t.layout is not _STRIDED or t.is_meta:  # an opaque layout: no storage to read
+    meta = _META_HOLDS.get()
+    if t.layout is not _STRIDED or (t.is_meta and not meta):  # an opaque layout: no storage
         return []
     st = _storage(t)
-    if st is None or st.device.type == "meta":  # a fake tensor's storage is on meta
+    if st is None or (st.device.type == "meta" and not meta):  # a fake tensor's: on meta
         return []
     return [t]
 

@@ -220,10 +220,17 @@ class _Saved:
     def ptrs(self) -> list[int]:
         """The storages of the saved tensors (watched for writes inside the region)."""
         return [
-            t.untyped_storage().data_ptr()
+            _address(t)
             for t in self.tensors()
             if t.layout is torch.strided and t.numel()
         ]
+
+
+def _address(t: torch.Tensor) -> int:
+    """Where ``t``'s storage is: its data's address, or for a meta tensor (whose data are all
+    at 0) its storage's (a profile from shapes, :mod:`remat.planner.meta`)."""
+    st = t.untyped_storage()
+    return st.data_ptr() or st._cdata
 
 
 class _Passed:
@@ -252,7 +259,7 @@ class _Passed:
         self.held: list[Any] | None = aliases
         self.versions = [o._version if isinstance(o, torch.Tensor) else None for o in outs]
         self.ptrs = [
-            o.untyped_storage().data_ptr()
+            _address(o)
             for o in outs
             if isinstance(o, torch.Tensor) and o.layout is torch.strided and o.numel()
         ]
@@ -510,7 +517,7 @@ class _SaveMode(TorchDispatchMode):
             outs = [out] if isinstance(out, torch.Tensor) else list(out)
             for i, o in enumerate(outs):
                 if isinstance(o, torch.Tensor) and o.layout is torch.strided and o.numel():
-                    self.offloaded[o.untyped_storage().data_ptr()] = (entry, i)
+                    self.offloaded[_address(o)] = (entry, i)
         if _SEEDED in func.tags:
             entry.rng = _rng_after(out)
         entries.append(entry)
@@ -531,7 +538,7 @@ class _SaveMode(TorchDispatchMode):
             v = args[i] if i < len(args) else kwargs.get(a.name)
             for t in v if isinstance(v, (list, tuple)) else (v,):
                 if isinstance(t, torch.Tensor) and t.layout is torch.strided and t.numel():
-                    ptr = t.untyped_storage().data_ptr()
+                    ptr = _address(t)
                     hit = self.offloaded.pop(ptr, None)
                     if hit is not None:
                         hit[0].protect(hit[1])

@@ -73,7 +73,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._bytes import leaves, storage_bytes
+from ._bytes import leaves, meta_counts, storage_bytes
 from ._config import is_recomputing
 from ._tree import tensors_in
 
@@ -241,7 +241,7 @@ class MemoryTracker:
             if not isinstance(obj, torch.Tensor):
                 continue
             for t in (obj,) if type(obj) in _PLAIN and obj.layout is torch.strided else leaves(obj):
-                if t.device.type == "meta":
+                if t.device.type == "meta" and not meta_counts():
                     continue
                 device = _device_key(t.device)
                 if self.device is not None and device != self.device:
@@ -347,8 +347,8 @@ def _device_key(device: torch.device) -> str:
 
     CPU tensors report ``cpu`` whatever index the device was given (``"cpu:0"``).
     """
-    if device.type == "cpu":
-        return "cpu"
+    if device.type in ("cpu", "meta"):
+        return device.type
     if device.index is not None:
         return str(device)
     return f"{device.type}:{torch.get_device_module(device.type).current_device()}"
@@ -399,7 +399,7 @@ class _TrackMode(TorchDispatchMode):
         for out in outs:
             plain = type(out) in _PLAIN and out.layout is torch.strided
             for t in (out,) if plain else leaves(out):
-                if t.device.type == "meta":
+                if t.device.type == "meta" and not meta_counts():
                     continue
                 device = str(t.device)
                 if tracker.device is not None and device != tracker.device:

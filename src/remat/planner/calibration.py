@@ -108,10 +108,99 @@ def device_key(device: torch.device, dtype: torch.dtype, threads: int | None) ->
     return f"v{VERSION}|{device.type}|{name}|{dtype}|torch {torch.__version__}|threads {n}"
 
 
-def constants(device: torch.device, dtype: torch.dtype, threads: int | None) -> Constants:
-    """The device's constants for ``dtype``: from the cache, else calibrated now and cached."""
+def constants(
+    device: torch.device,
+    dtype: torch.dtype,
+    threads: int | None,
+    calibration: str | os.PathLike[str] | None = None,
+) -> Constants:
+    """The device's constants for ``dtype``: from the cache, else calibrated now and cached;
+    with ``calibration``, those of a saved calibration (:func:`named`)."""
+    if calibration is not None:
+        return named(calibration, dtype)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "remat: pricing a plan for a CUDA device needs that device's calibration, and "
+            "this machine has no CUDA device: pass calibration= a GPU's name (one saved by "
+            f"benchmarks/gpu_check.py: {sorted(saved_names()) or 'none yet'}) or a file "
+            "written by remat.planner.calibration.save on the GPU, or timer='flops'."
+        )
     key = device_key(device, dtype, threads)
     return _cached(str(cache_file(key)), key, str(device), str(dtype), threads)
+
+
+#: Calibrations that ship with remat (GPUs measured by ``benchmarks/gpu_check.py``).
+SHIPPED = pathlib.Path(__file__).parent / "calibrations"
+
+
+def save(
+    path: str | os.PathLike[str],
+    device: torch.device | str | None = None,
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16),
+    threads: int | None = 1,
+) -> pathlib.Path:
+    """Calibrate ``device`` (default: the current CUDA device, else the CPU) for each of
+    ``dtypes`` (the cache's if there) and write them to one JSON file, which
+    ``remat.profile(..., calibration=path)`` reads on any machine: plans for a GPU priced
+    from a CPU machine.
+
+    Example:
+        >>> import tempfile, os, torch
+        >>> from remat.planner import calibration
+        >>> f = calibration.save(os.path.join(tempfile.mkdtemp(), "cpu.json"), "cpu",
+        ...                      dtypes=(torch.float32,))
+        >>> named(f, torch.float32) == constants(torch.device("cpu"), torch.float32, 1)
+        True
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    entries = {}
+    for dtype in dtypes:
+        key = device_key(dev, dtype, threads)
+        entries[str(dtype)] = {
+            "key": key,
+            "constants": dataclasses.asdict(constants(dev, dtype, threads)),
+        }
+    out = pathlib.Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    name = key.split("|")[2]
+    out.write_text(json.dumps({"device": name, "entries": entries}, indent=1) + "\n")
+    return out
+
+
+def saved_names() -> dict[str, pathlib.Path]:
+    """The devices whose calibration ships with remat, by name."""
+    found = {}
+    for f in sorted(SHIPPED.glob("*.json")):
+        try:
+            found[json.loads(f.read_text())["device"]] = f
+        except (OSError, ValueError, KeyError):
+            continue
+    return found
+
+
+def named(calibration: str | os.PathLike[str], dtype: torch.dtype) -> Constants:
+    """The constants for ``dtype`` of a saved calibration: a file written by :func:`save`, or
+    the name (any part of it, any case) of a device whose calibration ships with remat.
+    Another dtype than those saved is priced as float32, as :func:`constants` does."""
+    path = pathlib.Path(calibration)
+    if not path.is_file():
+        wanted = str(calibration).lower()
+        hits = [f for n, f in saved_names().items() if wanted in n.lower()]
+        if len(hits) != 1:
+            raise ValueError(
+                f"remat: calibration must be a file written by "
+                f"remat.planner.calibration.save or the name of one saved device "
+                f"({sorted(saved_names()) or 'none saved yet'}), got {str(calibration)!r}"
+                f"{' (more than one matches)' if hits else ''}."
+            )
+        path = hits[0]
+    entries = json.loads(path.read_text())["entries"]
+    entry = entries.get(str(dtype)) or entries.get(str(torch.float32))
+    if entry is None:
+        raise ValueError(f"remat: calibration {str(path)!r} holds no float32 constants.")
+    return Constants(**entry["constants"])
 
 
 def cache_file(key: str) -> pathlib.Path:

@@ -28,15 +28,16 @@ is derived from them by :func:`remat.planner.stepmodel.derive_blocks`.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from .. import memory
-from .._bytes import storage_bytes
+from .._bytes import meta_holds_bytes, storage_bytes
 from .._modelinfo import (
     candidates,
     check_grad_enabled,
@@ -54,6 +55,7 @@ from .apply import apply_decision, restore_state, snapshot_state
 from .calibration import make_clock
 from .distributed import active, agree_profile, agree_same
 from .inputs import model_inputs
+from .meta import AsDevice, check_no_autocast, is_meta, target_device
 from .probes import (
     CallCount,
     InputFrees,
@@ -97,6 +99,8 @@ def profile(
     repeats: int = 3,
     threads: int | None = 1,
     distributed: bool | None = None,
+    device: str | torch.device | None = None,
+    calibration: str | None = None,
     **kwargs: Any,
 ) -> Profile:
     """Measure a training step and each candidate block under each decision.
@@ -169,10 +173,27 @@ def profile(
             rank alone (a model that is not data-parallel). Bytes are one rank's
             (FSDP2's shards and unsharded parameters, DDP's buckets: see
             :mod:`remat.planner.sharded`).
+        device: for a model (and inputs) on the meta device only: the device it will train
+            on, ``"cpu"`` (default) or ``"cuda"``. A meta model is profiled from its shapes
+            alone (:mod:`remat.planner.meta`): the same steps on meta tensors, every
+            storage counted at its size, nothing allocated, in seconds; the byte terms are
+            those of a profile on that device, but for the scratch inside operators, which
+            only a real device shows (not counted: ``Profile.from_shapes``), and ``offload``,
+            which is not measured. Its costs are priced with ``device``'s calibration.
+        calibration: with ``timer="time"``: whose constants price the counted work:
+            ``None`` (default) the device's own, measured once and cached; or a device's
+            name (``"NVIDIA H200"``) or a file saved by
+            :func:`remat.planner.calibration.save`, to price a plan for a device this
+            machine does not have (``benchmarks/gpu_check.py`` saves the GPU's).
         **kwargs: keyword inputs of the model.
 
     Example:
         >>> import torch, remat
+        >>> with torch.device("meta"):  # from shapes: no bytes allocated, none needed
+        ...     big = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(4)])
+        >>> prof = remat.profile(big, torch.empty(8192, 4096, device="meta"), timer="flops")
+        >>> prof.from_shapes, prof.static_bytes // 2**20  # 4 x 64 MiB of weights, a 128 MiB input
+        (True, 384)
         >>> model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         >>> prof = remat.profile(model, torch.randn(8, 16), optimizer=opt, timer="flops")
@@ -189,16 +210,66 @@ def profile(
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"remat.profile: repeats must be an int >= 1, got {repeats!r}.")
     check_step_options("remat.profile", optimizer, set_to_none)
+    shaped = is_meta(model, (args, kwargs))
+    if shaped:
+        target = target_device(device, "remat.profile")
+        check_no_autocast("remat.profile")
+        if timer == "measured":
+            raise ValueError(
+                "remat.profile: timer='measured' times real steps, and a model on the meta "
+                "device has none: use timer='time' (counted work priced by a calibration) "
+                "or 'flops'."
+            )
+    elif device is not None:
+        raise ValueError(
+            f"remat.profile: device={device!r} is for a model on the meta device (the device "
+            "it will train on); this model's tensors are on "
+            f"{device_of(model, (args, kwargs))}: leave device out."
+        )
     names = candidates(model, check_fn)
     blocks = {n: model.get_submodule(n) for n in names}
-    chosen = _decisions(model, args, kwargs, blocks, decisions)
+    chosen = _decisions(model, args, kwargs, blocks, decisions, shaped)
     agree = active(distributed)
     if agree:  # before any step: ranks that would run different steps would hang
         agree_same((names, [str(d) for d in chosen], repeats, timer), "the blocks, decisions and steps")
-    step = _Step(model, args, kwargs, optimizer, set_to_none, loss_fn, threads)
+    with _shapes_only(target if shaped else None):
+        prof = _profile(model, args, kwargs, optimizer, set_to_none, loss_fn, blocks, chosen,
+                        timer, repeats, threads, calibration, target if shaped else None)  # fmt: skip
+    return agree_profile(prof) if agree else prof
+
+
+@contextlib.contextmanager
+def _shapes_only(target: torch.device | None) -> Iterator[None]:
+    """Meta tensors hold their bytes and run the target device's kernels (none: as they are)."""
+    if target is None:
+        yield
+        return
+    with meta_holds_bytes(), AsDevice(target):
+        yield
+
+
+def _profile(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    optimizer: torch.optim.Optimizer | None,
+    set_to_none: bool,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    blocks: dict[str, nn.Module],
+    chosen: list[Decision],
+    timer: str,
+    repeats: int,
+    threads: int | None,
+    calibration: str | None,
+    target: torch.device | None,
+) -> Profile:
+    """The steps of :func:`profile` and its record (``target``: from shapes, for it)."""
+    step = _Step(model, args, kwargs, optimizer, set_to_none, loss_fn, threads, target)
     wrapping = snapshot_state(blocks)
     try:
-        m, opt_terms, scratch, calls, kept = _measure(step, blocks, chosen, timer, repeats)
+        m, opt_terms, scratch, calls, kept = _measure(
+            step, blocks, chosen, timer, repeats, calibration
+        )
     finally:
         restore_state(blocks, wrapping)
         step.state.restore()
@@ -218,7 +289,8 @@ def profile(
         decisions=list(chosen),
         cost_unit="flop" if timer == "flops" else "s",
         input_shapes=[list(t.shape) for t in shapes],
-        device=str(step.device),
+        device=str(target if target is not None else step.device),
+        from_shapes=target is not None,
         torch_version=torch.__version__,
         step_cost=step.keep_cost if timer != "flops" else 3.0 * sum(m.costs[RECOMPUTE].values()),
         static_bytes=static_bytes(model, (args, kwargs), step.counted),
@@ -243,7 +315,7 @@ def profile(
         post=max((t.post_peak or 0 for t in m.lines.values()), default=0),
         post_scratch=where.get("post", 0),
     )
-    return agree_profile(prof) if agree else prof
+    return prof
 
 
 #: The cost measures ``remat.profile`` knows (see its ``timer`` argument).
@@ -256,9 +328,11 @@ def _decisions(
     kwargs: dict[str, Any],
     blocks: dict[str, nn.Module],
     decisions: Sequence[str] | None,
+    shaped: bool = False,
 ) -> list[Decision]:
-    """The decisions to measure: the given ones, checked, or the default."""
-    moves = _offloads(model, (args, kwargs))
+    """The decisions to measure: the given ones, checked, or the default (``shaped``: a
+    profile from shapes, which cannot measure ``offload``)."""
+    moves = not shaped and _offloads(model, (args, kwargs))
     if decisions is None:
         out = [KEEP, RECOMPUTE, SELECTIVE] + ([OFFLOAD] if moves else [])
         if any(can_split(m) for m in blocks.values()):
@@ -271,6 +345,11 @@ def _decisions(
             f"{[d.value for d in Decision]}, got {list(decisions)}."
         )
     out = [Decision(d) for d in decisions]
+    if OFFLOAD in out and shaped:
+        raise ValueError(
+            "remat.profile: 'offload' is not measured from shapes (a model on the meta "
+            "device has no bytes to copy); drop it from decisions, or profile on the device."
+        )
     if OFFLOAD in out and not moves:
         raise ValueError(
             "remat.profile: 'offload' needs a device (on CPU the tensors already live in host "
@@ -299,12 +378,17 @@ class _Step:
         set_to_none: bool,
         loss_fn: Callable[[Any], torch.Tensor] | None,
         threads: int | None,
+        target: torch.device | None = None,
     ) -> None:
         self.model, self.args, self.kwargs = model, args, kwargs
         self.optimizer, self.set_to_none, self.loss_fn = optimizer, set_to_none, loss_fn
         self.threads = threads
         self.device = device_of(model, args)
-        self.counted = counted_device(self.device)
+        #: from shapes: the device the meta tensors stand for (None: measured on it)
+        self.target = target
+        # from shapes for CPU, everything counts (the optimizer's CPU step counters too)
+        real = target if target is not None else self.device
+        self.counted = counted_device(real) if target is None or real.type == "cpu" else self.device
         self.inputs: list[torch.Tensor] = []
         tensors_in((args, kwargs), self.inputs)
         leaves = [t for t in self.inputs if t.is_leaf and t.requires_grad]
@@ -351,6 +435,7 @@ def _measure(
     decisions: list[Decision],
     timer: str,
     repeats: int,
+    calibration: str | None = None,
 ) -> tuple[
     Measurements, tuple[int, int, int], dict[str, int] | None, CallCount, list[bool]
 ]:
@@ -381,8 +466,12 @@ def _measure(
     for nm, state in snapshot_state(blocks).items():
         if not probed and any(st for _, st in state):
             apply_decision(blocks[nm], KEEP)
-    with BlockHooks(modules, WindowMarks(n)):
-        scratch = window_scratch(step, step.device)
+    scratch = None  # from shapes: none is seen (Profile.from_shapes)
+    if step.target is None:
+        with BlockHooks(modules, WindowMarks(n)):
+            scratch = window_scratch(step, step.device)
+    else:
+        step()  # the gradients, as the scratch step leaves them
     storages = unsharded_storages(model)
     step.grad_bytes = grad_bytes(step.state.grad_params, step.counted)
     splittable = {nm for nm, mod in blocks.items() if can_split(mod)}
@@ -420,8 +509,10 @@ def _measure(
                 step.keep_cost = float(sorted(step.costs)[len(step.costs) // 2])
     if timer == "time":
         moved = _offloaded(names, lines) if OFFLOAD in lines else None
+        priced = step.target if step.target is not None else step.device
         modelled, step.keep_cost = modelled_costs(
-            model, blocks, step.args, step.kwargs, decisions, step.device, step.threads, moved
+            model, blocks, step.args, step.kwargs, decisions, priced, step.threads, moved,
+            calibration,
         )
         times = {Decision(d): v for d, v in modelled.items()}
         noise = {d: dict.fromkeys(names, 0.0) for d in decisions}

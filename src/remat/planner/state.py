@@ -130,6 +130,7 @@ class StepState:
                     type(t) is torch.Tensor
                     and not t.requires_grad
                     and t.layout is torch.strided
+                    and not t.is_meta
                     and id(t) not in seen
                 ):
                     seen.add(id(t))

@@ -144,6 +144,7 @@ def modelled_costs(
     device: torch.device,
     threads: int | None,
     offloaded: dict[str, int] | None = None,
+    calibration: str | None = None,
 ) -> tuple[dict[str, dict[str, float]], float]:
     """Seconds each decision adds to each block, from counted work and the device's
     calibrated constants, and the predicted time of a whole step with every block kept.
@@ -175,7 +176,7 @@ def modelled_costs(
     def k(dtype: torch.dtype | None) -> Constants:
         key = dtype if dtype in CALIBRATED else torch.float32
         if key not in known:
-            known[key] = constants(device, key, threads)
+            known[key] = constants(device, key, threads, calibration)
         return known[key]
 
     def run(c: OpCount) -> float:

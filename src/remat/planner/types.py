@@ -496,6 +496,9 @@ class ProfileData:
             forward with every block kept, by :attr:`SharedInput.key` (the blocks that
             received them and where they die; :func:`shared_inputs` reads them): a checkpoint
             of any of those blocks holds them into its backward, once however many do.
+        from_shapes: measured from shapes alone (a model on the meta device,
+            :mod:`remat.planner.meta`), for ``device``: every tensor's bytes as on it, the
+            scratch inside operators not seen (0 unless measured since, ``scratch_located``).
     """
 
     blocks: list[BlockCosts]
@@ -527,6 +530,7 @@ class ProfileData:
     post: int = dataclasses.field(default=0, metadata=MAX)
     post_scratch: int = dataclasses.field(default=0, metadata=MAX)
     shared_inputs: dict[str, int] = dataclasses.field(default_factory=dict, metadata=MAX)
+    from_shapes: bool = dataclasses.field(default=False, metadata=SAME)
 
     def __post_init__(self) -> None:
         self.decisions = [Decision(d) for d in self.decisions]

@@ -1,0 +1,235 @@
+"""Profiles from shapes alone: a model on the meta device measured as if on a real one.
+
+A model built under ``with torch.device("meta"):`` (as large models are, before their
+weights exist) runs its training step on meta tensors: every operator computes its
+outputs' shapes and allocates nothing. Inside :func:`remat._bytes.meta_holds_bytes` the
+memory tracker counts each meta storage at its size, so every byte term of a profile is
+what a real device holds: tensor storages are a function of shapes, dtypes and of which
+tensors autograd saves, never of values. :func:`remat.profile` does this for a model whose
+tensors are on meta; :func:`twin` makes a meta copy of a real model (its parameters,
+buffers, inputs and optimizer: no bytes) so that :func:`remat.auto_checkpoint` plans a
+model before any real step runs (none could run unchecked where it does not fit).
+
+What a meta run cannot know, and how it is handled:
+
+* **The device's own kernels.** ``scaled_dot_product_attention`` picks a fused kernel by
+  device (on CPU the flash kernel, which saves a ``logsumexp``, not the ``seq x seq``
+  weights); on meta it would always take the math path. :class:`AsDevice` routes each call
+  as the target device would: on CPU by torch's own choice (``torch._fused_sdp_choice`` on
+  stand-in CPU tensors that hold one row), on CUDA by a rule of thumb (flash for 16-bit
+  inputs without a mask and a head size <= 256 that is a multiple of 8, memory-efficient
+  for other multiples of 8, else math; cuDNN's attention is not modelled).
+* **Scratch inside operators** (oneDNN's, cuBLAS workspaces) shows only on a real
+  device: a profile from shapes counts none (``Profile.from_shapes`` and the plan's table
+  say so); :func:`remat.auto_checkpoint` measures it in one real step under the plan.
+* **Shapes that depend on values** (a mixture of experts' routing: ``nonzero``, a
+  ``.item()``): a meta run raises; :func:`remat.auto_checkpoint` then profiles on the
+  device (logged), :func:`remat.profile` raises saying so.
+* **Autocast** applies per device type and never to meta tensors: a profile from shapes
+  inside ``torch.autocast`` is refused (build the model in the dtype it computes in).
+* **offload** needs a device to copy from: it is not measured from shapes.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
+
+from .._tree import tensors_in
+
+log = logging.getLogger("remat")
+
+#: ``torch.nn.attention.SDPBackend``'s values, as ``torch._fused_sdp_choice`` returns them.
+_MATH, _FLASH, _EFFICIENT = 0, 1, 2
+
+
+def is_meta(model: nn.Module, args: Any) -> bool:
+    """Whether the model's tensors (its first parameter, else its first input) are on meta."""
+    found: list[torch.Tensor] = []
+    tensors_in(args, found)
+    first = next(iter([*model.parameters(), *found]), None)
+    return first is not None and first.is_meta
+
+
+def target_device(device: str | torch.device | None, where: str) -> torch.device:
+    """The real device a profile from shapes stands for (``None``: CPU)."""
+    if device is None:
+        return torch.device("cpu")
+    try:
+        out = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            f"{where}: device must name the device the model will train on ('cpu', 'cuda', "
+            f"'cuda:0'), got {device!r}."
+        ) from None
+    if out.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"{where}: device must be 'cpu' or 'cuda' for a model on the meta device, got "
+            f"{device!r}."
+        )
+    return out
+
+
+def check_no_autocast(where: str) -> None:
+    """Refuse a profile from shapes inside ``torch.autocast`` (autocast never casts meta
+    tensors, so the bytes would be the full-precision step's)."""
+    if any(torch.is_autocast_enabled(t) for t in ("cpu", "cuda")):
+        raise ValueError(
+            f"{where}: a model on the meta device cannot be profiled inside torch.autocast "
+            "(autocast applies to CPU and CUDA tensors, never to meta ones, so the bytes would "
+            "be the full-precision step's). Build the model in the dtype it computes in "
+            "(model.to(torch.bfloat16)), or profile it on its device."
+        )
+
+
+class AsDevice:
+    """Inside, ``scaled_dot_product_attention`` on meta tensors runs the kernel ``device``
+    would run (see the module docstring); on other tensors it runs as it is.
+
+    ``torch.nn.functional.scaled_dot_product_attention`` is replaced while inside (and put
+    back on exit, exceptions included), not intercepted by a ``TorchFunctionMode``: a
+    checkpoint's recompute runs in backward, where no such mode is active, and must run the
+    forward's kernel.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._saved: list[Any] = []
+
+    def __enter__(self) -> AsDevice:
+        self._saved.append(F.scaled_dot_product_attention)
+        F.scaled_dot_product_attention = self._attention  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        F.scaled_dot_product_attention = self._saved.pop()  # type: ignore[assignment]
+
+    def _attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        plain = (query, key, value, attn_mask, dropout_p, is_causal)
+        sdpa = torch._C._nn.scaled_dot_product_attention
+        if not query.is_meta or enable_gqa:
+            return sdpa(*plain, scale=scale, enable_gqa=enable_gqa)
+        choice = self._choice(query, key, value, attn_mask, dropout_p, is_causal, scale)
+        if choice == _FLASH and self.device.type == "cpu":
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+            )[0]
+        if choice == _FLASH:
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                query, key, value, dropout_p, is_causal, scale=scale
+            )[0]
+        if choice == _EFFICIENT:
+            need = attn_mask is not None and attn_mask.requires_grad
+            return torch.ops.aten._scaled_dot_product_efficient_attention(
+                query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale
+            )[0] if not need else sdpa(*plain, scale=scale)
+        return sdpa(*plain, scale=scale)
+
+    def _choice(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        dropout_p: float,
+        is_causal: bool,
+        scale: float | None,
+    ) -> int:
+        if self.device.type == "cpu":
+            with _disable_current_modes():  # the stand-ins are no step's tensors
+                return int(
+                    torch._fused_sdp_choice(
+                        _standin(q), _standin(k), _standin(v),
+                        None if mask is None else _standin(mask),
+                        dropout_p, is_causal, scale=scale,
+                    )  # fmt: skip
+                )
+        head = q.shape[-1]
+        if head % 8 or head != v.shape[-1] or q.dim() != 4:
+            return _MATH
+        if q.dtype in (torch.float16, torch.bfloat16) and mask is None and head <= 256:
+            return _FLASH
+        return _EFFICIENT if q.dtype in (torch.float16, torch.bfloat16, torch.float32) else _MATH
+
+
+def _standin(t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor of ``t``'s shape, dtype and last-dimension stride 1 that holds one row."""
+    if t.dim() == 0:
+        return torch.empty((), dtype=t.dtype)
+    base = torch.empty(t.shape[-1], dtype=t.dtype)
+    return base.as_strided(t.shape, [0] * (t.dim() - 1) + [1])
+
+
+def twin(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    optimizer: torch.optim.Optimizer | None,
+) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any], torch.optim.Optimizer | None]:
+    """A meta copy of the model (same modules, hooks and wrapping; parameters and buffers on
+    meta), of its inputs and of its optimizer (same class, groups and hyper-parameters, an
+    empty state): a training step of the copy allocates nothing.
+
+    Raises ``TypeError`` for what cannot be copied so (a distributed model: DDP, FSDP2's
+    sharded parameters).
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Linear(4, 4)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> m, (x,), _, o = twin(model, (torch.randn(2, 4),), {}, opt)
+        >>> m.weight.is_meta, x.is_meta, type(o).__name__, o.defaults["lr"]
+        (True, True, 'SGD', 0.1)
+    """
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise TypeError("a DistributedDataParallel model is profiled on its device")
+    memo: dict[int, Any] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if type(t) not in (torch.Tensor, nn.Parameter):
+            raise TypeError(f"a parameter of type {type(t).__name__} is profiled on its device")
+        if id(t) not in memo:
+            memo[id(t)] = _meta_of(t)
+    found: list[torch.Tensor] = []
+    tensors_in((args, kwargs), found)
+    for t in found:
+        if id(t) not in memo:
+            memo[id(t)] = _meta_of(t)
+    meta_model = copy.deepcopy(model, memo)
+    meta_args, meta_kwargs = copy.deepcopy((args, kwargs), memo)
+    meta_opt = None
+    if optimizer is not None:
+        groups = [
+            {**{k: copy.deepcopy(v) for k, v in g.items() if k != "params"},
+             "params": [memo[id(p)] for p in g["params"]]}
+            for g in optimizer.param_groups
+        ]  # fmt: skip
+        cls: Any = type(optimizer)
+        takes = inspect.signature(cls.__init__).parameters
+        meta_opt = cls(groups, **{k: v for k, v in optimizer.defaults.items() if k in takes})
+    return meta_model, meta_args, meta_kwargs, meta_opt
+
+
+def _meta_of(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on meta (same shape, strides, dtype, ``requires_grad``; a parameter stays one)."""
+    with torch.no_grad():
+        m = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    if isinstance(t, nn.Parameter):
+        return nn.Parameter(m, requires_grad=t.requires_grad)
+    return m.requires_grad_(t.requires_grad) if t.is_leaf else m
