@@ -17,6 +17,7 @@ SRC = pathlib.Path(remat.__file__).parent
 #: The planner's modules, each importing (at module level) only those before it.
 PLANNER_LAYERS = [
     "types",
+    "progress",
     "render",
     "stepmodel",
     "chain",

@@ -26,6 +26,8 @@ from .amp import fresh_region, outside
 from .apply import restore_state, snapshot_state
 from .distributed import active, agree_max, agree_min, agree_profile, agree_same
 from .inputs import Inputs, model_inputs
+from .meta import is_meta, twin
+from .progress import Progress
 from .render import fmt_bytes
 from .shapes import ShapePlans, Shapes, shape_plans
 from .sharded import unsharded_storages
@@ -264,9 +266,23 @@ def auto_checkpoint(
     distributed: bool | None = None,
     diagnose: bool = False,
     shapes: Shapes | None = None,
+    device: str | torch.device | None = None,
     **kwargs: Any,
 ) -> Plan | ShapePlans:
     """Profile, plan for ``budget``, apply in place, and check real steps.
+
+    The profile is made from shapes (:mod:`remat.planner.meta`): a meta copy of the
+    model, its inputs and optimizer runs the profile's steps without allocating, so a model
+    whose unchecked step does not fit is planned all the same, in seconds. The real steps
+    that follow run the *planned* model, whose predicted peak is within the budget: the
+    two steps :func:`measure_peak` measures and one under ``torch.profiler`` for the scratch
+    inside operators (which only the device shows), after which the plan is made again with
+    that scratch where it happens. Where shapes alone cannot profile the model (shapes that
+    depend on values, as a mixture of experts' routing; a model sharded by FSDP2 or wrapped
+    in DDP; ``timer="measured"``; inside ``torch.autocast``) the model is profiled on its
+    device as :func:`remat.profile` does (this is said), which runs the unchecked step.
+    A model on the meta device is planned and the plan applied, with no real step.
+    Each stage is said on standard error unless ``quiet``.
 
     After applying, the first and a later step are measured
     (:func:`measure_peak`), plus the scratch inside operators the plan's peak has
@@ -325,6 +341,8 @@ def auto_checkpoint(
             size is switched in: the fastest one within ``budget`` at that size (the budget
             is that of the largest batch's step). A larger batch raises ``PlanError``. See
             :mod:`remat.planner.shapes`; ``profile`` is then unused.
+        device: for a model on the meta device: the device it will train on (see
+            :func:`remat.profile`); ``None``: CPU.
         **kwargs: keyword inputs of the model.
 
     Returns:
@@ -363,37 +381,63 @@ def auto_checkpoint(
             model, inputs, shapes, budget, optimizer, set_to_none, loss_fn, check_fn, timer,
             quiet, distributed,
         )  # fmt: skip
-    if profile is None:
-        prof = measure.profile(
-            model,
-            inputs,
-            optimizer=optimizer,
-            set_to_none=set_to_none,
-            loss_fn=loss_fn,
-            check_fn=check_fn,
-            timer=timer,
-            distributed=distributed,
+    say = Progress("remat.auto_checkpoint", quiet)
+    meta = is_meta(model, (args, kwargs))
+    if device is not None and not meta:
+        raise ValueError(
+            f"remat.auto_checkpoint: device={device!r} is for a model on the meta device; this "
+            f"model's tensors are on {device_of(model, (args, kwargs))}: leave device out."
         )
+    if profile is None:
+        prof = _first_profile(
+            model, inputs, optimizer, set_to_none, loss_fn, check_fn, timer, distributed,
+            device, agree, say,
+        )  # fmt: skip
     else:
         check_profile_matches(profile, model, args, kwargs, optimizer, set_to_none, check_fn)
         prof = agree_profile(profile) if agree else profile  # a no-op on an agreed profile
     target = budget_of(prof, budget)
     if agree:
         (target,) = agree_min([target])
+    say(f"planning for {fmt_bytes(target)}")
     chosen = plan(prof, target)
     blocks = {n: model.get_submodule(n) for n in candidates(model, check_fn)}
+    if meta:  # nothing to run: the plan is the answer
+        chosen.apply(model)
+        chosen.budget_bytes = target
+        chosen.diagnostics = advice.on_model(model, chosen, None, loss_fn)
+        say.done(f"planned from shapes, predicted peak {fmt_bytes(chosen.predicted_peak_bytes)}")
+        return chosen
     wrapping = snapshot_state(blocks)
     goal = target
     measured = 0
     spans = True
+    scratch_known = not prof.from_shapes
     for attempt in range(4):
         if agree:  # plan() is deterministic on the agreed profile; checked all the same
             agree_same((chosen.decisions, chosen.spans), "the plan's decisions")
         try:
             chosen.apply(model)
+            say(f"checking the plan in real steps (predicted {fmt_bytes(chosen.predicted_peak_bytes)})")
             measured = measure_peak(
                 model, inputs, optimizer=optimizer, set_to_none=set_to_none, loss_fn=loss_fn
             )
+            if not scratch_known:  # one more step of the planned model, under the profiler
+                say("measuring the scratch inside operators under the plan")
+                names = [b.name for b in prof.blocks]
+                prof = measure.located(
+                    prof, measure.plan_scratch(model, inputs, names, optimizer, set_to_none, loss_fn)
+                )
+                scratch_known = True
+                moved = budget_of(prof, budget) - target  # a share's scratch is now known
+                if agree:
+                    (moved,) = agree_max([moved])
+                target, goal = target + moved, goal + moved
+                again = plan(prof, max(goal, 1), spans=spans)
+                if (again.decisions, again.spans) != (chosen.decisions, chosen.spans):
+                    chosen = again  # the scratch moved the plan: check the new one
+                    continue
+                chosen = again
         except PlanError as e:
             if not chosen.spans:
                 restore_state(blocks, wrapping)
@@ -425,6 +469,7 @@ def auto_checkpoint(
             chosen.diagnostics = advice.on_model(
                 model, chosen, (inputs.args, inputs.kwargs) if diagnose else None, loss_fn
             )
+            say.done(f"planned, measured peak {fmt_bytes(measured + scratch)}")
             return chosen
         if attempt == 3:
             break
@@ -453,6 +498,70 @@ def auto_checkpoint(
         "prediction is far off, please report the model."
     )
 
+
+def _first_profile(
+    model: nn.Module,
+    inputs: Inputs,
+    optimizer: torch.optim.Optimizer | None,
+    set_to_none: bool,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    check_fn: Callable[[str, nn.Module], bool] | None,
+    timer: str,
+    distributed: bool | None,
+    device: str | torch.device | None,
+    agree: bool,
+    say: Progress,
+) -> Profile:
+    """The profile ``auto_checkpoint`` plans from: from shapes where it can (see its
+    docstring), else of real steps."""
+    options: dict[str, Any] = dict(
+        optimizer=optimizer, set_to_none=set_to_none, loss_fn=loss_fn, timer=timer
+    )
+    args, kwargs = inputs.args, inputs.kwargs
+    if is_meta(model, (args, kwargs)):
+        say("profiling from shapes (a model on the meta device)")
+        return measure.profile(
+            model, inputs, check_fn=check_fn, distributed=distributed, device=device, **options
+        )
+    why = _no_shapes(model, timer, agree)
+    if why is None:
+        try:
+            twin_model, a, k, twin_opt = twin(model, args, kwargs, optimizer)
+            # the twin's modules answer check_fn as the model's own of the same name
+            pick = None if check_fn is None else _by_name(model, check_fn)
+            say("profiling from shapes (a meta copy of the model: nothing allocated)")
+            return measure.profile(
+                twin_model, Inputs(*a, **k), check_fn=pick, distributed=False,
+                device=device_of(model, (args, kwargs)), **{**options, "optimizer": twin_opt},
+            )  # fmt: skip
+        except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
+            why = f"shapes alone do not profile it ({type(e).__name__}: {str(e).splitlines()[0]})"
+    say(f"profiling real steps, the unchecked step among them: {why}")
+    return measure.profile(
+        model, inputs, check_fn=check_fn, distributed=distributed, **options
+    )
+
+
+def _no_shapes(model: nn.Module, timer: str, agree: bool) -> str | None:
+    """Why a real model is not profiled from shapes (``None``: it is)."""
+    if timer == "measured":
+        return "timer='measured' times real steps"
+    if agree:
+        return "the ranks of a process group profile together"
+    if any(torch.is_autocast_enabled(t) for t in ("cpu", "cuda")):
+        return "autocast applies to real devices only"
+    if any(type(p) is not nn.Parameter for p in model.parameters()):
+        return "its parameters are not plain (FSDP2's, a tensor subclass)"
+    return None
+
+
+def _by_name(
+    model: nn.Module, check_fn: Callable[[str, nn.Module], bool]
+) -> Callable[[str, nn.Module], bool]:
+    def pick(name: str, _twin: nn.Module) -> bool:
+        return check_fn(name, model.get_submodule(name))
+
+    return pick
 
 
 def _auto_shapes(

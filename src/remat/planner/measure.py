@@ -29,6 +29,7 @@ is derived from them by :func:`remat.planner.stepmodel.derive_blocks`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -54,7 +55,7 @@ from .amp import fresh_region, outside
 from .apply import apply_decision, restore_state, snapshot_state
 from .calibration import make_clock
 from .distributed import active, agree_profile, agree_same
-from .inputs import model_inputs
+from .inputs import Inputs, model_inputs
 from .meta import AsDevice, check_no_autocast, is_meta, target_device
 from .probes import (
     CallCount,
@@ -279,9 +280,6 @@ def _profile(
     shapes: list[torch.Tensor] = []
     tensors_in((args, kwargs), shapes)
     costs = derive_blocks(m)
-    where = scratch or {}  # the scratch inside operators per window (None: not measured)
-    for i, b in enumerate(costs):
-        b.fwd_scratch, b.bwd_scratch = where.get(f"fwd:{i}", 0), where.get(f"bwd:{i}", 0)
     prof = Profile(
         blocks=costs,
         top=keep_line.top_peak,
@@ -304,18 +302,57 @@ def _profile(
         end_grads=keep_line.end_grads,
         top_grads=keep_line.top_grads,
         chained=calls.chained,
-        scratch_bytes=max(where.values(), default=0),
         kept_outputs=kept,
         shared_bytes=step.shared,
         shared_inputs=dict(m.shared_inputs),
+        # the same whatever the plan (every block's backward is done): the largest seen
+        post=max((t.post_peak or 0 for t in m.lines.values()), default=0),
+    )
+    return located(prof, scratch)
+
+
+def located(prof: Profile, scratch: dict[str, int] | None) -> Profile:
+    """``prof`` with the scratch inside operators of each window of the step
+    (:func:`~remat.planner.scratch.window_scratch`'s record; ``None``: not measured, none)."""
+    where = scratch or {}
+    blocks = [
+        dataclasses.replace(b, fwd_scratch=where.get(f"fwd:{i}", 0), bwd_scratch=where.get(f"bwd:{i}", 0))
+        for i, b in enumerate(prof.blocks)
+    ]  # fmt: skip
+    return dataclasses.replace(
+        prof,
+        blocks=blocks,
+        scratch_bytes=max(where.values(), default=0),
         scratch_located=scratch is not None,
         pre_scratch=where.get("pre", 0),
         top_scratch=where.get("top", 0),
-        # the same whatever the plan (every block's backward is done): the largest seen
-        post=max((t.post_peak or 0 for t in m.lines.values()), default=0),
         post_scratch=where.get("post", 0),
     )
-    return prof
+
+
+def plan_scratch(
+    model: nn.Module,
+    inputs: Inputs,
+    names: Sequence[str],
+    optimizer: torch.optim.Optimizer | None,
+    set_to_none: bool,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+) -> dict[str, int] | None:
+    """The scratch inside operators of each window of one real step of ``model`` as it is
+    (a plan applied: the step holds what the plan's peak does, not the unchecked step's),
+    blocks ``names`` in call order; everything the step changes is put back.
+
+    A recomputed block's forward runs in its backward window and is counted there, so
+    the window's scratch bounds what any decision of the block runs there."""
+    args, kwargs = inputs.args, inputs.kwargs
+    step = _Step(model, args, kwargs, optimizer, set_to_none, loss_fn, None)
+    modules = [model.get_submodule(n) for n in names]
+    try:
+        step.clear_grads()
+        with BlockHooks(modules, WindowMarks(len(modules))):
+            return window_scratch(step, step.device)
+    finally:
+        step.state.restore()
 
 
 #: The cost measures ``remat.profile`` knows (see its ``timer`` argument).

@@ -39,6 +39,7 @@ from torch import nn
 
 from .. import memory
 from .._bytes import leaves, shares_storage, storage_bytes, storages
+from .._config import is_recomputing
 from .._tree import tensors_in
 from ..memory import BlockHooks
 from .amp import fresh_region
@@ -324,11 +325,15 @@ class WindowMarks:
         self.post = False
 
     def before(self, i: int, args: Any, kwargs: Any) -> None:
+        if is_recomputing():  # a checkpoint's recompute runs in its block's backward window
+            return
         mark_window(f"fwd:{i}")
         if i == 0:
             watch_first_inputs(args, kwargs, self)
 
     def after(self, i: int, args: Any, kwargs: Any, out: Any) -> None:
+        if is_recomputing():
+            return
         if i == self.last:
             mark_window("top")
         outs: list[torch.Tensor] = []

@@ -1,0 +1,72 @@
+"""auto_checkpoint plans a model whose unchecked step does not fit: the profile is made from
+shapes, and every real step it runs is a step of the planned model (#31 item 1)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import remat
+from remat.bench.models import ModelConfig, build, example_input
+
+SCRIPT = pathlib.Path(__file__).parents[1] / "support" / "limited_plan.py"
+GPT = ModelConfig(layers=4, d_model=64, seq=128, batch=2, heads=4, vocab=128)
+
+
+def test_no_step_auto_checkpoint_runs_holds_more_than_the_budget():
+    model, x = build(GPT), example_input(GPT)
+    opt = torch.optim.AdamW(model.parameters())
+    unchecked = remat.measure_peak(model, x, optimizer=opt)
+    with remat.memory.track() as t:  # every tensor any step inside allocates
+        p = remat.auto_checkpoint(model, x, budget="50%", optimizer=opt, timer="flops", quiet=True)
+    params = sum(q.nbytes for q in model.parameters())
+    assert p.budget_bytes < unchecked
+    # the profile ran on meta tensors: what real steps held is the planned model's, and the
+    # parameters' values kept to put back after the optimizer's steps (in host memory: on
+    # CPU they add to the step's bytes)
+    assert params + x.nbytes + t.peak_bytes_by_device["cpu"] <= p.budget_bytes + params
+
+
+def test_planning_says_each_stage_unless_quiet(capsys):
+    model, x = build(GPT), example_input(GPT)
+    remat.auto_checkpoint(model, x, budget="70%", timer="flops")
+    err = capsys.readouterr().err
+    assert "profiling from shapes" in err and "checking the plan in real steps" in err
+    assert "planned, measured peak" in err
+    remat.auto_checkpoint(build(GPT), x, budget="70%", timer="flops", quiet=True)
+    assert capsys.readouterr().err == ""
+
+
+def test_a_model_on_the_meta_device_is_planned_and_the_plan_applies_to_the_real_one():
+    with torch.device("meta"):
+        meta = build(GPT, device="meta")
+    mx = example_input(GPT, device="meta")
+    p = remat.auto_checkpoint(meta, mx, budget="50%", timer="flops", quiet=True)
+    model, x = build(GPT), example_input(GPT)
+    p.apply(model)
+    assert remat.measure_peak(model, x) == p.predicted_peak_bytes
+
+
+def test_device_is_refused_for_a_model_on_a_real_device():
+    model, x = build(GPT), example_input(GPT)
+    with pytest.raises(ValueError, match="device='cpu' is for a model on the meta device"):
+        remat.auto_checkpoint(model, x, budget="50%", device="cpu", quiet=True)
+
+
+@pytest.mark.slow
+def test_a_model_whose_unchecked_step_exceeds_the_address_space_limit_is_planned_and_trains():
+    env = {**os.environ, "MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "65536"}
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["unchecked_fits"] is False  # the limit bites: the unchecked step fails
+    assert seen["predicted"] < seen["limit_over_process"] < seen["unchecked"]
+    assert seen["trained"] == 2

@@ -1,0 +1,70 @@
+"""Run as a script: plan a model whose unchecked step does not fit this process's memory.
+
+The address space is limited (``RLIMIT_AS``) to the process's size plus ``FRACTION`` of the
+unchecked step's predicted peak (from shapes, before any step). The script checks that an
+unchecked step fails under that limit, then plans with ``remat.auto_checkpoint`` and trains
+``STEPS`` steps of the planned model within it, and prints one JSON line of what it saw.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+
+import torch
+
+import remat
+from remat.bench.models import ModelConfig, build, example_input
+from remat.planner.meta import twin
+
+FRACTION = 0.75
+STEPS = 2
+
+
+def vm_size() -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize in /proc/self/status")
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    cfg = ModelConfig(layers=6, d_model=128, seq=512, batch=4, heads=4, vocab=256)
+    model, x = build(cfg), example_input(cfg)
+    opt = torch.optim.AdamW(model.parameters())
+    m, (mx,), _, mo = twin(model, (x,), {}, opt)
+    unchecked = remat.profile(m, mx, optimizer=mo, timer="flops").unchecked_peak_bytes
+    del m, mx, mo
+    # the one-time set-up of everything the steps use (the profiler's threads and libraries,
+    # autograd, the kernels) on a tiny model, outside the limit: the limit is the step's
+    tiny_cfg = ModelConfig(layers=2, d_model=16, seq=64, batch=2, heads=2, vocab=16)
+    tiny = build(tiny_cfg)
+    tiny_opt = torch.optim.AdamW(tiny.parameters())
+    remat.auto_checkpoint(tiny, example_input(tiny_cfg), budget="100%", optimizer=tiny_opt,
+                          timer="flops", quiet=True)  # fmt: skip
+    limit = vm_size() + int(FRACTION * unchecked)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    out: dict[str, object] = {"unchecked": unchecked, "limit_over_process": int(FRACTION * unchecked)}
+    try:
+        model(x).sum().backward()
+        out["unchecked_fits"] = True
+    except (RuntimeError, MemoryError):
+        out["unchecked_fits"] = False
+    for p in model.parameters():
+        p.grad = None
+    plan = remat.auto_checkpoint(model, x, budget="50%", optimizer=opt, timer="flops", quiet=True)
+    out["predicted"] = plan.predicted_peak_bytes
+    out["budget"] = plan.budget_bytes
+    for _ in range(STEPS):
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+    out["trained"] = STEPS
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
