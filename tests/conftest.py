@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import pytest
@@ -21,3 +22,24 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def fresh_logging_tensor_logger() -> Iterator[None]:
+    """torch's ``"LoggingTensor"`` logger as a fresh process has it, put back after the test.
+
+    ``checkpoint(debug=True)`` records operators through it, with records whose arguments
+    do not fit their message, so any handler but torch's own fails formatting them ("not
+    all arguments converted"); torch's ``capture_logs`` adds its handler, level and filters
+    and never puts the level, ``propagate`` or the filters back. What earlier tests or
+    libraries left on that logger must not decide a test's verdict.
+    """
+    logger = logging.getLogger("LoggingTensor")
+    saved = (logger.level, logger.propagate, logger.disabled, logger.handlers, logger.filters)
+    logger.setLevel(logging.NOTSET)
+    logger.propagate, logger.disabled, logger.handlers, logger.filters = True, False, [], []
+    try:
+        yield
+    finally:
+        level, logger.propagate, logger.disabled, logger.handlers, logger.filters = saved
+        logger.setLevel(level)

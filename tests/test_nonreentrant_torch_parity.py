@@ -44,6 +44,7 @@ def save_2_other_shape(x):
 DEBUG_PHRASE = "You are seeing this error because you passed `debug=True` to checkpoint"
 
 
+@pytest.mark.usefixtures("fresh_logging_tensor_logger")
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
 @pytest.mark.parametrize(
     "setting, debug, phrase",

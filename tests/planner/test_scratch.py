@@ -256,11 +256,21 @@ def test_the_backward_of_the_layers_before_the_blocks_is_a_term_of_its_own():
         remat.plan(prof, prof.static_step_bytes + prof.post)
 
 
-def test_resnet_meets_half_its_budget_at_the_allocator_once_the_stems_backward_is_apart():
-    # The stem (at twice the first stage's resolution) put 531 KB of convolution scratch on
-    # the first block's backward term: 50 % was refused though every plan's allocator
-    # peak there is far below. Planned now, and met as the profiler's allocator events count
+def test_resnet_meets_a_budget_its_stems_scratch_refused_at_the_allocator():
+    # The stem (at twice the first stage's resolution) holds the largest convolution
+    # scratch, which was added to the first block's backward term: budgets between the
+    # smallest now and that term were refused though every plan's allocator peak there is
+    # below. The budget is this machine's (the scratch is the kernel library's: oneDNN's
+    # with AVX-512 twice its AVX2 one); planned, and met as the profiler's allocator events
+    # count
     torch.manual_seed(0)
     model, x = ResNet((4, 8, 16, 32), bottleneck=True), torch.randn(2, 3, 128, 128)
-    p = check_auto(model, x, budget="50%")
-    assert p.predicted_peak_bytes + p.scratch_bytes <= p.budget_bytes
+    probe = copy.deepcopy(model)
+    opt = torch.optim.AdamW(probe.parameters(), lr=1e-3)
+    prof = remat.profile(probe, x, optimizer=opt, timer="flops")
+    assert prof.post_scratch == prof.scratch_bytes > prof.blocks[0].bwd_scratch
+    old = prof.floor_bytes + prof.post_scratch
+    budget = (prof.smallest_budget_bytes + old) // 2
+    assert prof.smallest_budget_bytes <= budget < old
+    p = check_auto(model, x, budget=budget)
+    assert p.predicted_peak_bytes + p.scratch_bytes <= p.budget_bytes == budget

@@ -1,9 +1,10 @@
 """Vision families planned with the default blocks: ResNet, ConvNeXt, U-Net and MobileNetV3
 shaped models (tests/visionmodels.py), at 70 %, 50 % and 30 %.
 
-Which budgets the every-block checkpoint meets is pinned per model (``reached``): the
-bytes outside the blocks (ResNet's stem at twice the first stage's resolution, its
-max-pool indices; ConvNeXt's stem and downsampling layers) bound it. Sizes are chosen so
+Which shares of the tensors' step the every-block checkpoint meets is pinned per model
+(``reached``, the same on every CPU: tests/support/budgetcheck.py): the bytes outside the
+blocks (ResNet's stem at twice the first stage's resolution, its max-pool indices;
+ConvNeXt's stem and downsampling layers) bound it. Sizes are chosen so
 that activations, not weights, fill the step.
 """
 
@@ -34,10 +35,15 @@ def test_resnet_planned_across_all_stages():
 def test_convnext_planned_across_all_stages():
     torch.manual_seed(0)
     blocks = [f"stages.{s}.blocks.{i}" for s, n in enumerate((2, 2, 6, 2)) for i in range(n)]
-    # 30 % too since the scratch inside operators counts where it happens (#22): the
-    # largest (stage 3's convolution backward) adds less where the every-block peak falls
+    # The scratch inside operators counts where it happens (#22): the largest (a later
+    # stage's convolution backward) adds less where the every-block peak falls, which meets
+    # 30 % as well where the kernels' scratch is large (oneDNN with AVX-512), not with AVX2
     check_default_plans(
-        ConvNeXt(), torch.randn(2, 3, 128, 128), blocks=blocks, reached={0.7, 0.5, 0.3}
+        ConvNeXt(),
+        torch.randn(2, 3, 128, 128),
+        blocks=blocks,
+        reached={0.7, 0.5},
+        scratch_apart=True,
     )
 
 

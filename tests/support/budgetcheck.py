@@ -37,14 +37,29 @@ def grads(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> li
 
 
 def check_default_plans(
-    model: nn.Module, *args: Any, blocks: list[str], reached: set[float], **kwargs: Any
+    model: nn.Module,
+    *args: Any,
+    blocks: list[str],
+    reached: set[float],
+    scratch_apart: bool = False,
+    **kwargs: Any,
 ) -> dict[float, tuple[int, int]]:
     """Profile ``model`` with the default blocks (asserted equal to ``blocks``) and plan it at
     each of :data:`BUDGETS`. A budget the every-block checkpoint of those blocks meets
-    (measured; ``reached`` pins which) is planned; every plan made is met by a measured
-    step and its gradients equal the unchecked step's bitwise; then :class:`PredictionOff`
-    unless every prediction is the measured peak, to the byte (the step model is exact on
-    CPU for these chains). Returns ``{share: (predicted, measured)}`` of the plans."""
+    (measured, with the scratch inside operators where the planner locates it) is planned;
+    every plan made is met by a measured step and its gradients equal the unchecked step's
+    bitwise; then :class:`PredictionOff` unless every prediction is the measured peak, to
+    the byte (the step model is exact on CPU for these chains). Returns
+    ``{share: (predicted, measured)}`` of the plans.
+
+    ``reached`` pins the shares of the tensors' step (the static bytes to the unchecked
+    peak, no scratch) that the every-block checkpoint's measured peak meets: tensors' bytes
+    are the same on every CPU, while the scratch, which a percentage budget adds whole (its
+    largest), is the kernel library's (oneDNN's convolution backward takes several times
+    more with AVX-512 than with AVX2) and so is not pinned. Each such share is also met with
+    the scratch counted. ``scratch_apart``: the scratch where the every-block peak falls is
+    less than the largest (located where it happens, #22), the case that lets a checkpoint
+    meet more shares than its tensors do."""
     ref = grads(copy.deepcopy(model), args, kwargs)
     prof = remat.profile(model, *args, timer="flops", **kwargs)
     assert [b.name for b in prof.blocks] == blocks
@@ -78,7 +93,12 @@ def check_default_plans(
         got = grads(planned, args, kwargs)
         assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref)), share
         out[share] = (plan.predicted_peak_bytes, measured)
-    assert met == reached, f"the every-block checkpoint ({every_peak} B) meets {sorted(met)}"
+    static, activations = prof.static_step_bytes, prof.unchecked_peak_bytes - prof.static_step_bytes
+    tensors = {share for share in BUDGETS if every_peak <= static + int(share * activations)}
+    assert tensors == reached, f"the every-block checkpoint ({every_peak} B) meets {sorted(tensors)}"
+    assert tensors <= met, (sorted(tensors), sorted(met), every_scratch, prof.scratch_bytes)
+    if scratch_apart:
+        assert every_scratch < prof.scratch_bytes, (every_scratch, prof.scratch_bytes)
     off = {s: pm for s, pm in out.items() if pm[0] != pm[1]}
     if off:
         raise PredictionOff(f"(predicted, measured) peaks differ: {off}")
