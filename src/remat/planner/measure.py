@@ -517,6 +517,7 @@ def _measure(
     noise: dict[Decision, dict[str, float]] = {}
     held: dict[Decision, list[int]] = {}
     freed = [0] * n
+    head_freed: dict[Decision, int] = {}
     shared_inputs: dict[str, int] = {}
     opt_terms = (0, 0, 0)
     clock = make_clock(step.device, step.threads) if timer == "measured" else None
@@ -527,9 +528,13 @@ def _measure(
             else:
                 apply_decision(mod, RECOMPUTE if d is SPLIT and nm not in splittable else d)
         step.clear_grads()
-        line, frees = _memory_step(step, modules, storages, d in HELD_LINES)
+        # the selective step for what the head frees of the last block's output: what its
+        # cache holds of it the head cannot free (derive_blocks)
+        line, frees = _memory_step(step, modules, storages, d in (*HELD_LINES, SELECTIVE))
         lines[d] = line
         if frees is not None:
+            head_freed[d] = frees.freed[-1]
+        if frees is not None and d in HELD_LINES:
             held[d] = frees.held_to_end
             if d is KEEP:
                 freed, step.shared = frees.freed, frees.shared
@@ -579,6 +584,7 @@ def _measure(
         mutating=set(calls.mutating),
         splittable=splittable,
         shared_inputs=shared_inputs,
+        head_freed=head_freed,
     )
     return m, opt_terms, scratch, calls, kept
 

@@ -389,8 +389,8 @@ class _Received:
 class InputFrees:
     """For the step under ``keep``: the bytes of each block's output that die while the next
     block runs (the next block saves none of it and nothing else holds it), and for the last
-    block by the end of the model's forward (the head saves none of it); the shared
-    arguments (``shared``). For that step and the one under ``offload``: each block's
+    block by the end of the model's forward (the head saves none of it; read under
+    ``selective`` too, where the cache may hold it); the shared arguments (``shared``). For that step and the one under ``offload``: each block's
     inputs alive when its window ends and dead when forward returns (``held_to_end``), by
     their storages: a tensor object dies while its storage lives on where autograd saved
     it as an operator's output (``relu``'s: a new tensor on the same storage).

@@ -405,6 +405,9 @@ class Measurements:
         signatures: per block, what makes two blocks the same layer (equal costs).
         freed: per block, the bytes of its output that the next block (kept) frees as it
             runs, and for the last block what the head frees.
+        head_freed: per line whose step saw it (``keep``, ``offload``, ``selective``), the
+            bytes of the last block's output that the head freed by the end of forward (under
+            ``selective``: those its cache does not hold).
         held_to_end: per decision of :data:`~remat.planner.stepmodel.HELD_LINES`, per
             block, its inputs alive when its window ends that die when forward returns.
         offload_inputs: per block, the bytes of its input nothing else holds once it
@@ -431,6 +434,7 @@ class Measurements:
     mutating: set[str]
     splittable: set[str]
     shared_inputs: dict[str, int] = dataclasses.field(default_factory=dict)
+    head_freed: dict[Decision, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass

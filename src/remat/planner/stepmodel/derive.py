@@ -27,10 +27,14 @@ def derive_blocks(m: Measurements) -> list[BlockCosts]:
     """The per-block terms of the model from the raw measurements of a profile, pair
     effects and the blocks' limits included (see the module docstring for the terms)."""
     out = _terms(m.names, m.lines, m.costs, m.noise, m.lines[KEEP].input_bytes, m.param_bytes)
-    for b, f in zip(out, m.freed):
+    for i, (b, f) in enumerate(zip(out, m.freed)):
         # The next block (kept) frees this one's output as it runs, which the selective
         # cache may hold instead (a block ending in a saved matmul): counted as held, so a
         # selective block is never predicted low (over by ``f`` where nothing frees it).
+        # The last block's next is the head, kept in every line: the selective line saw
+        # what it freed there, the cache held the rest, exact.
+        if i == len(out) - 1 and SELECTIVE in m.head_freed:
+            f = max(0, f - m.head_freed[SELECTIVE])
         if f and SELECTIVE in b.retained:
             b.retained[SELECTIVE] += f
             if b.bwd_excess[SELECTIVE] > NEVER:  # a backward window was seen

@@ -21,7 +21,7 @@ from ..types import (
     Where,
     shared_inputs,
 )
-from .segments import input_offload_cost, layout
+from .segments import input_offload_cost, layout, left_in_span
 
 KEEP, RECOMPUTE, SELECTIVE, OFFLOAD, SPLIT = (
     Decision.KEEP,
@@ -392,8 +392,12 @@ def attribution(
         whole = ds[a] in (KEEP, SELECTIVE)
         for j in range(a, z + 1 if whole else z):
             added[blocks[j].name] += float(blocks[j].cost.get(RECOMPUTE, 0.0))
-        for j in range(a, z):  # block outputs inside a span are not kept either
-            saved[blocks[j].name] += blocks[j].retained[ds[j]]
+        # block outputs inside a span are not kept either (what else their checkpoints hold
+        # is, to the span's backward)
+        inner = RECOMPUTE if ds[a] in (KEEP, SELECTIVE) else ds[a]
+        for j in range(a, z):
+            left = left_in_span(blocks, j, inner)
+            saved[blocks[j].name] += blocks[j].retained[ds[j]] - left
         if whole:  # the last block leaves its output only
             r = blocks[z].retained
             saved[blocks[z].name] = r[KEEP] - r[RECOMPUTE]

@@ -50,6 +50,14 @@ def input_offload_cost(blocks: Sequence[BlockCosts], a: int) -> float:
 
 
 
+def left_in_span(blocks: Sequence[BlockCosts], j: int, d: Decision) -> int:
+    """What block ``j`` (not the chain's last) under ``d`` leaves alive inside a span besides
+    the output it hands on (the next block's input): what its checkpoint holds apart from
+    inputs and outputs (the copies of its buffers, BatchNorm's statistics), which the span
+    holds to its backward's end; 0 for blocks without buffers."""
+    return max(0, blocks[j].retained[d] - blocks[j + 1].input_bytes)
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockTerms:
     """A block alone under one decision, as linear terms: its forward term is ``forward_start
@@ -195,6 +203,13 @@ def span_segment(
     * it saves ``sum_{a<=j<=z} K_j - R_z`` and costs ``sum cost[j][selective]`` plus
       blocks ``a..z`` once more (``cost[j][recompute]``).
 
+    What a block's checkpoint holds besides its input and output (the copies of its buffers
+    that put BatchNorm's statistics back for the recompute: ``L_j``, :func:`left_in_span`,
+    under ``recompute`` for ``keep`` and ``selective`` spans) the span holds for each of its
+    blocks to its backward's end: a block ``j < z`` leaves ``L_j`` in forward, not nothing,
+    so the span saves ``sum_{a<=j<z} L_j`` less, and in a ``keep`` span the backward terms
+    hold them too (those of blocks ``i < z`` also ``L_z``; none for the chain's last block).
+
     ``offload``: see :func:`span_segments`.
     """
     if z <= a:
@@ -250,7 +265,7 @@ def _nested_spans(
         rec.see(kept + bi.fwd_excess[d], Phase.RECOMPUTE, i)
         cost_r += bi.cost.get(RECOMPUTE, 0.0)
         kept_prev = kept
-        kept += r
+        kept += r - (left_in_span(blocks, i, d) if i + 1 < len(blocks) else 0)
 
 
 def _keep_spans(
@@ -267,11 +282,13 @@ def _keep_spans(
     rec = _Max()  # max_{a<=j<i} restored_j + fwd_excess[j][keep]
     bwd = _Max()  # max_{a<=j<i} bwd_start[j] + bwd_excess[j][keep] + held
     cost = 0.0  # sum_{a<=j<=i} cost[j][recompute]
+    left = 0  # sum_{a<=j<i} L_j, L = left_in_span(.., recompute): alive to the span's backward end
     for i in range(a, end):
         bi = blocks[i]
         if RECOMPUTE not in bi.cost or RECOMPUTE not in bi.retained:
             return
         r = bi.retained[RECOMPUTE]
+        mine = left_in_span(blocks, i, RECOMPUTE) if i + 1 < len(blocks) else 0
         v = bi.fwd_start - inner - kept_prev + bi.fwd_excess[RECOMPUTE] - (freed if i > a else 0)
         fwd.see(v, Phase.FORWARD, i)
         inner += bi.retained[KEEP] - r
@@ -282,17 +299,20 @@ def _keep_spans(
             recompute.value = bi.bwd_start - saved + rec.value
             last = _Max()
             last.see(
-                bi.bwd_start - (bi.retained[KEEP] - r) + bi.bwd_excess[RECOMPUTE] + held,
+                bi.bwd_start - (bi.retained[KEEP] - r) + bi.bwd_excess[RECOMPUTE] + held + left,
                 Phase.BACKWARD,
                 i,
             )
-            peak, where = _first_max(blocks, fwd, recompute, last, bwd)
+            inside = bwd.copy()
+            inside.value += left + mine
+            peak, where = _first_max(blocks, fwd, recompute, last, inside)
             yield Segment(a, i, KEEP, kind, peak, where, saved + freed, cost)
         rec.see(restored + bi.fwd_excess[KEEP], Phase.RECOMPUTE, i)
         restored += bi.retained[KEEP]
         bwd.see(bi.bwd_start + bi.bwd_excess[KEEP] + held, Phase.BACKWARD, i)
         kept_prev = kept
-        kept += r
+        kept += r - mine
+        left += mine
 
 
 def _selective_spans(
@@ -308,11 +328,15 @@ def _selective_spans(
     cost = 0.0  # sum_{a<=j<=i} cost[j][selective]
     cost_r = 0.0  # sum_{a<=j<=i} cost[j][recompute]
     prev = 0  # retained[i - 1][recompute] - freed
+    left = 0  # sum_{a<=j<i-1} left_in_span(.., recompute): alive to the span's backward
     for i in range(a, end):
         bi = blocks[i]
         if not {SELECTIVE, RECOMPUTE} <= bi.retained.keys() & bi.cost.keys():
             return
-        terms.see(bi.fwd_start - kept + prev + bi.fwd_excess[SELECTIVE], Phase.FORWARD, i)
+        v = bi.fwd_start - kept + prev + left + bi.fwd_excess[SELECTIVE]
+        terms.see(v, Phase.FORWARD, i)
+        if i > a:
+            left += left_in_span(blocks, i - 1, RECOMPUTE)
         kept += bi.retained[KEEP]
         inner += bi.retained[KEEP] - bi.retained[SELECTIVE]
         terms.see(bi.bwd_start - inner + bi.bwd_excess[SELECTIVE], Phase.BACKWARD, i)
@@ -322,7 +346,7 @@ def _selective_spans(
         cost_r += bi.cost[RECOMPUTE]
         prev = bi.retained[RECOMPUTE] - freed
         if i > a:
-            saved = kept - bi.retained[RECOMPUTE]
+            saved = kept - bi.retained[RECOMPUTE] - left
             recompute = rec.copy()
             recompute.value = bi.bwd_start - saved + rec.value
             peak, where = _first_max(blocks, terms, recompute)
