@@ -88,6 +88,11 @@ def plan_table(plan: PlanData) -> str:
         f"predicted step peak {fmt_bytes(plan.predicted_peak_bytes)}{scratch} vs unchecked "
         f"{fmt_bytes(plan.unchecked_peak_bytes)} (budget {fmt_bytes(plan.budget_bytes)})"
     )
+    if plan.scratch_unknown:
+        lines.append(
+            "planned from shapes: the scratch inside operators (cuBLAS, oneDNN) is not counted; "
+            "remat.auto_checkpoint measures it in one step of the planned model"
+        )
     if plan.breakdown:
         parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in plan.breakdown.items())
         lines.append(f"peak in {plan.peak_at}: {parts}")

@@ -427,4 +427,5 @@ def plan(
         peak_phase=peak.at.phase,
         block_share=block_share(profile),
         diagnostics=advice.loss_head(profile, peak, decisions, chosen),
+        scratch_unknown=profile.from_shapes and not profile.scratch_located,
     )

@@ -119,7 +119,10 @@ class StepState:
             ]
             self.opt_attrs = {k: v for k, v in vars(optimizer).items() if k == "_opt_called"}
             with torch.no_grad():  # in host memory: the device's is the steps'
-                self.values = [p.detach().to("cpu", copy=True) for p in self.params]
+                self.values = [
+                    p.detach().clone() if p.is_meta else p.detach().to("cpu", copy=True)
+                    for p in self.params
+                ]
         for t in self.leaves:
             t.grad = None
         self.data: list[list[Any]] = []  # [tensor, version, host copy]

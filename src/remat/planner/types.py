@@ -631,6 +631,9 @@ class PlanData:
             (:class:`remat.Diagnostic`: a block the plan checkpoints that is checkpointed
             already, a peak in the loss head that no plan of the blocks lowers); the
             table prints them under the blocks.
+        scratch_unknown: planned from shapes alone (``Profile.from_shapes``) with no scratch
+            inside operators measured: ``predicted_peak_bytes`` is the tensors' peak and the
+            allocator's adds what the device's kernels take; the table says so.
     """
 
     decisions: dict[str, Decision]
@@ -651,6 +654,7 @@ class PlanData:
     peak_phase: Phase | None = None
     block_share: float | None = None
     diagnostics: list[Diagnostic] = dataclasses.field(default_factory=list)
+    scratch_unknown: bool = False
 
     def __post_init__(self) -> None:
         bad = sorted(str(d) for d in self.decisions.values() if d not in _NAMES)
