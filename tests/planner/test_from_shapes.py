@@ -90,7 +90,7 @@ needs_hf = pytest.mark.skipif(
 )
 
 FAMILIES = [
-    pytest.param(_gpt, id="bench-gpt"),  # SDPA with dropout, a tied head
+    pytest.param(_gpt, id="bench-gpt"),  # SDPA (dropout: the math kernel), a vocabulary head
     pytest.param(_resnet, id="resnet"),  # BatchNorm's running statistics, in-place ReLU
     # transformers (5.x) builds a 2-D mask and then reads values to skip it: with no
     # attention_mask, find_packed_sequence_indices(position_ids)'s `.all()`; with a 2-D one,
@@ -108,7 +108,9 @@ FAMILIES = [
             ),
         ],
     ),
-    pytest.param(_llama_causal_mask, id="llama-4d-mask", marks=needs_hf),  # GQA, RoPE
+    # RoPE; GQA by transformers' repeat_kv (a mask turns SDPA's enable_gqa off); the
+    # boolean mask made additive by SDPA, and saved so
+    pytest.param(_llama_causal_mask, id="llama-4d-mask", marks=needs_hf),
     pytest.param(_t5, id="t5", marks=needs_hf),  # a position bias handed along each stack
 ]
 
