@@ -130,6 +130,16 @@ def _hidden_states(m, x, mask):
     return x + sum(h.sum() for h in kept[:-1])
 
 
+def test_kept_hidden_states_are_refused_on_the_meta_device_too():
+    # every meta tensor's data is at address 0: the outputs' storages are told apart as
+    # storages (a profile from shapes runs a plan applied to a meta model)
+    with torch.device("meta"):
+        model = Custom(_hidden_states)
+        apply_span(model, [f"layers.{i}" for i in range(4)])
+        with pytest.raises(remat.PlanError, match="output of layers.0 is still referenced"):
+            model(torch.empty(2, 8, 16)).backward()
+
+
 def test_early_exit_is_refused_in_backward():
     model = Custom(lambda m, x, mask: m.layers[1](m.layers[0](x, mask=mask), mask=mask))
     apply_span(model, [f"layers.{i}" for i in range(4)])

@@ -341,8 +341,9 @@ class _Run:
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # the storages themselves, not their data's addresses: every meta tensor's data is at 0
     try:
-        return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+        return bool(a.untyped_storage()._cdata == b.untyped_storage()._cdata)
     except (RuntimeError, NotImplementedError):  # no storage (a tensor subclass)
         return False
 

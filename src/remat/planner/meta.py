@@ -18,7 +18,10 @@ What a meta run cannot know, and how it is handled:
   as the target device would: on CPU by torch's own choice (``torch._fused_sdp_choice`` on
   stand-in CPU tensors that hold one row), on CUDA by a rule of thumb (flash for 16-bit
   inputs without a mask and a head size <= 256 that is a multiple of 8, memory-efficient
-  for other multiples of 8, else math; cuDNN's attention is not modelled).
+  for other multiples of 8, else math; cuDNN's attention is not modelled). A boolean mask
+  is first made the additive one torch makes (the fused kernels save it, in the query's
+  dtype); grouped-query attention (``enable_gqa``) takes torch's choice on CPU (flash, which
+  saves the unexpanded keys and values), the math path on CUDA.
 * **Scratch inside operators** (oneDNN's, cuBLAS workspaces) shows only on a real
   device: a profile from shapes counts none (``Profile.from_shapes`` and the plan's table
   say so); :func:`remat.auto_checkpoint` measures it in one real step under the plan.
@@ -122,11 +125,13 @@ class AsDevice:
         scale: float | None = None,
         enable_gqa: bool = False,
     ) -> torch.Tensor:
-        plain = (query, key, value, attn_mask, dropout_p, is_causal)
         sdpa = torch._C._nn.scaled_dot_product_attention
-        if not query.is_meta or enable_gqa:
-            return sdpa(*plain, scale=scale, enable_gqa=enable_gqa)
-        choice = self._choice(query, key, value, attn_mask, dropout_p, is_causal, scale)
+        if not query.is_meta or (enable_gqa and self.device.type != "cpu"):
+            return sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                        enable_gqa=enable_gqa)  # fmt: skip
+        attn_mask = _additive(attn_mask, query.dtype)
+        plain = (query, key, value, attn_mask, dropout_p, is_causal)
+        choice = self._choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if choice == _FLASH and self.device.type == "cpu":
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
@@ -140,7 +145,7 @@ class AsDevice:
             return torch.ops.aten._scaled_dot_product_efficient_attention(
                 query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale
             )[0] if not need else sdpa(*plain, scale=scale)
-        return sdpa(*plain, scale=scale)
+        return sdpa(*plain, scale=scale, enable_gqa=enable_gqa)
 
     def _choice(
         self,
@@ -151,6 +156,7 @@ class AsDevice:
         dropout_p: float,
         is_causal: bool,
         scale: float | None,
+        enable_gqa: bool,
     ) -> int:
         if self.device.type == "cpu":
             with _disable_current_modes():  # the stand-ins are no step's tensors
@@ -158,7 +164,7 @@ class AsDevice:
                     torch._fused_sdp_choice(
                         _standin(q), _standin(k), _standin(v),
                         None if mask is None else _standin(mask),
-                        dropout_p, is_causal, scale=scale,
+                        dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa,
                     )  # fmt: skip
                 )
         head = q.shape[-1]
@@ -167,6 +173,16 @@ class AsDevice:
         if q.dtype in (torch.float16, torch.bfloat16) and mask is None and head <= 256:
             return _FLASH
         return _EFFICIENT if q.dtype in (torch.float16, torch.bfloat16, torch.float32) else _MATH
+
+
+def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A boolean mask as the additive one (0 where kept, ``-inf`` elsewhere, in the query's
+    dtype) that ``scaled_dot_product_attention`` makes of it before choosing a kernel: the
+    fused kernels save that one for backward, not the boolean mask."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    ninf = torch.scalar_tensor(float("-inf"), dtype=dtype, device=mask.device)
+    return torch.where(mask, 0.0, ninf)
 
 
 def _standin(t: torch.Tensor) -> torch.Tensor:

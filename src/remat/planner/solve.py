@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import torch
 from torch import nn
 
 from .._errors import PlanError
@@ -113,6 +114,11 @@ class Plan(PlanData):
         return plan_table(self)
 
 
+_HOST = torch.device("cpu")
+"""Where the chain dynamic program's tables are made, whatever device the caller made the
+default (a model built under ``with torch.device("meta"):`` is often planned inside it)."""
+
+
 def solve_chain(
     blocks: Sequence[BlockCosts],
     top: int,
@@ -137,12 +143,13 @@ def solve_chain(
     Returns ``(decisions, spans)``, or ``None``.
     """
     n = len(blocks)
-    t = segment_table(blocks, allowed, max(1, max_span), chained, kept_outputs)
-    ctg = cost_to_go(t, n, top, budget)
-    if cost_cap is None:
-        return None if ctg.least() is None else unpack(t, ctg.cheapest(t))
-    rows = simplest(t, n, budget, ctg, cost_cap)
-    return None if rows is None else unpack(t, rows)
+    with _HOST:
+        t = segment_table(blocks, allowed, max(1, max_span), chained, kept_outputs)
+        ctg = cost_to_go(t, n, top, budget)
+        if cost_cap is None:
+            return None if ctg.least() is None else unpack(t, ctg.cheapest(t))
+        rows = simplest(t, n, budget, ctg, cost_cap)
+        return None if rows is None else unpack(t, rows)
 
 
 def solve(
@@ -162,19 +169,20 @@ def solve(
     otherwise ``solver`` picks the MILP or the per-block DP."""
     if max_span > 1 or solver == "chain":
         n = len(blocks)
-        t = segment_table(blocks, allowed, max(1, max_span), chained, kept_outputs)
-        ctg = cost_to_go(t, n, top, budget)
-        least = ctg.least()
-        if least is None:
-            return None
-        rows = None
-        for slack in (tolerance, 0.0):  # too many plans within the noise: least cost only
-            try:
-                rows = simplest(t, n, budget, ctg, _cap(least, slack), limit=STATE_LIMIT)
-                break
-            except TooManyStates:
-                continue
-        return unpack(t, ctg.cheapest(t) if rows is None else rows)
+        with _HOST:
+            t = segment_table(blocks, allowed, max(1, max_span), chained, kept_outputs)
+            ctg = cost_to_go(t, n, top, budget)
+            least = ctg.least()
+            if least is None:
+                return None
+            rows = None
+            for slack in (tolerance, 0.0):  # too many plans within the noise: least cost only
+                try:
+                    rows = simplest(t, n, budget, ctg, _cap(least, slack), limit=STATE_LIMIT)
+                    break
+                except TooManyStates:
+                    continue
+            return unpack(t, ctg.cheapest(t) if rows is None else rows)
     one = solve_milp if solver == "milp" else solve_dp
     best = one(blocks, top, budget, allowed)
     if best is None:
@@ -207,8 +215,9 @@ def smallest_chain(
     """A plan (with spans up to ``max_span`` blocks, joining blocks only where ``chained``
     and ``kept_outputs`` allow: :func:`~remat.planner.chain.span_end`) of the smallest
     predicted activation peak."""
-    t = segment_table(blocks, allowed, max(1, max_span), chained, kept_outputs)
-    return unpack(t, smallest(t, len(blocks), top))
+    with _HOST:
+        t = segment_table(blocks, allowed, max(1, max_span), chained, kept_outputs)
+        return unpack(t, smallest(t, len(blocks), top))
 
 
 def smallest_peak(blocks: Sequence[BlockCosts], top: int, allowed: Sequence[str]) -> int:
