@@ -70,3 +70,28 @@ def test_a_model_whose_unchecked_step_exceeds_the_address_space_limit_is_planned
     assert seen["unchecked_fits"] is False  # the limit bites: the unchecked step fails
     assert seen["predicted"] < seen["limit_over_process"] < seen["unchecked"]
     assert seen["trained"] == 2
+
+
+class _Routed(torch.nn.Module):
+    """A block whose work depends on its input's values (as a mixture of experts' routing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pick = int((x.sum() > 0).item())
+        return torch.relu((self.a if pick else self.b)(x)) + x
+
+
+def test_a_model_whose_shapes_depend_on_values_is_refused_from_shapes_and_profiled_real(capsys):
+    with torch.device("meta"):
+        meta = torch.nn.Sequential(*[_Routed() for _ in range(3)])
+    with pytest.raises(RuntimeError, match="cannot be profiled from shapes alone"):
+        remat.profile(meta, torch.empty(8, 16, device="meta"), timer="flops")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_Routed() for _ in range(3)])
+    x = torch.randn(64, 16, requires_grad=True)
+    p = remat.auto_checkpoint(model, x, budget="90%", timer="flops")
+    assert "profiling real steps" in capsys.readouterr().err
+    assert remat.measure_peak(model, x) <= p.budget_bytes

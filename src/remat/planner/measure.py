@@ -233,9 +233,20 @@ def profile(
     agree = active(distributed)
     if agree:  # before any step: ranks that would run different steps would hang
         agree_same((names, [str(d) for d in chosen], repeats, timer), "the blocks, decisions and steps")
-    with _shapes_only(target if shaped else None):
-        prof = _profile(model, args, kwargs, optimizer, set_to_none, loss_fn, blocks, chosen,
-                        timer, repeats, threads, calibration, target if shaped else None)  # fmt: skip
+    try:
+        with _shapes_only(target if shaped else None):
+            prof = _profile(model, args, kwargs, optimizer, set_to_none, loss_fn, blocks, chosen,
+                            timer, repeats, threads, calibration, target if shaped else None)  # fmt: skip
+    except (RuntimeError, NotImplementedError) as e:
+        if not shaped:
+            raise
+        raise RuntimeError(
+            "remat.profile: this model cannot be profiled from shapes alone (on the meta "
+            f"device): {str(e).splitlines()[0]}. Its code reads tensor values (a mixture of "
+            "experts' routing, a mask checked with .item() or .all()) or runs an operator "
+            "without a meta kernel: profile it on its device (remat.auto_checkpoint does so "
+            "by itself for a real model)."
+        ) from e
     return agree_profile(prof) if agree else prof
 
 
