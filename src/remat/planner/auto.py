@@ -381,6 +381,7 @@ def auto_checkpoint(
             model, inputs, shapes, budget, optimizer, set_to_none, loss_fn, check_fn, timer,
             quiet, distributed,
         )  # fmt: skip
+    check_step_options("remat.auto_checkpoint", optimizer, set_to_none)
     say = Progress("remat.auto_checkpoint", quiet)
     meta = is_meta(model, (args, kwargs))
     if device is not None and not meta:
