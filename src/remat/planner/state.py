@@ -118,8 +118,9 @@ class StepState:
                 for g in optimizer.param_groups
             ]
             self.opt_attrs = {k: v for k, v in vars(optimizer).items() if k == "_opt_called"}
-            with torch.no_grad():  # in host memory: the device's is the steps'
-                self.values = [p.detach().to("cpu", copy=True) for p in self.params]
+            with torch.no_grad():  # in host memory: the device's is the steps'; meta has none
+                self.values = [p if p.is_meta else p.detach().to("cpu", copy=True)
+                               for p in self.params]  # fmt: skip
         for t in self.leaves:
             t.grad = None
         self.data: list[list[Any]] = []  # [tensor, version, host copy]
@@ -166,7 +167,8 @@ class StepState:
             vars(opt).update(self.opt_attrs)
             with torch.no_grad():
                 for p, v in zip(self.params, self.values):
-                    p.copy_(v)
+                    if v is not p:
+                        p.copy_(v)
         for t, grad in zip(self.leaves, self.grads):
             t.grad = grad
         self.buffers.restore()
