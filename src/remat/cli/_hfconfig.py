@@ -85,8 +85,8 @@ def build(
     model.train()
     count = sum(p.numel() for p in model.parameters())
     label = (
-        f"{type(model).__name__} from its config on the meta device ({count / 1e9:.2f} B "
-        f"parameters, {str(dtype).removeprefix('torch.')}), input_ids and labels of "
+        f"{type(model).__name__} from its config on the meta device ({count:,} parameters, "
+        f"{str(dtype).removeprefix('torch.')}), input_ids and labels of "
         f"batch {batch} x seq {seq}"
     )
     return model, Inputs(input_ids=ids, labels=ids), label
