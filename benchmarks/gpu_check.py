@@ -18,15 +18,22 @@ recorded in the summary and the next part runs.
    loop (``zero_grad()``, forward, backward, ``optimizer.step()``) between
    ``reset_peak_memory_stats()`` and ``max_memory_allocated()``, counted from before the
    model was built; ``max_memory_reserved()`` beside it.
-4. ``bench``: ``remat bench``'s runner (:func:`remat.bench.runner.run`) on the device with
+4. ``shapes``: the device's calibration saved into the repository
+   (``src/remat/planner/calibrations/<gpu name slug>.json``, float32, bfloat16, float16:
+   ``remat plan --calibration "<gpu name>"`` prices plans for this GPU from any machine),
+   then a plan made from shapes (a meta copy of the GPT, ``device="cuda"``) applied to the
+   real model: predicted against remat's meter (the tensors' bytes: exact) and against
+   ``max_memory_allocated`` of real steps (which adds the scratch inside operators)
+   (``benchmarks/gpucheck/shapes.py``).
+5. ``bench``: ``remat bench``'s runner (:func:`remat.bench.runner.run`) on the device with
    every strategy, offload included, on a model large enough for the GPU, not Python, to
    set the pace of a step.
-5. ``offload``: the offload engine (``remat.offload``) against
+6. ``offload``: the offload engine (``remat.offload``) against
    ``torch.autograd.graph.save_on_cpu`` and against recompute: device and host bytes,
    step time, and the share of the copies' time hidden behind compute (the copies' time
    from the bytes moved and the measured pinned-copy bandwidth); gradients against no
    checkpointing with dropout on (CUDA RNG replay).
-6. ``overhead``: per-call overhead of ``remat.checkpoint`` against
+7. ``overhead``: per-call overhead of ``remat.checkpoint`` against
    ``torch.utils.checkpoint`` on the device (``benchmarks/overhead.py``).
 
 After every part ``summary.json`` and ``summary.md`` are written under ``--out`` (default

@@ -33,9 +33,10 @@ def script() -> Iterator[SimpleNamespace]:
         device = importlib.import_module("gpucheck.device")
         parts = importlib.import_module("gpucheck.parts")
         run = importlib.import_module("gpucheck.run")
+        shapes = importlib.import_module("gpucheck.shapes")
     finally:
         sys.path.remove(path)
-    yield SimpleNamespace(device=device, parts=parts, run=run)
+    yield SimpleNamespace(device=device, parts=parts, run=run, shapes=shapes)
 
 
 def _check(
@@ -84,6 +85,11 @@ def test_dry_run_runs_every_part_and_writes_the_summary(script, tmp_path):
     for c in configs:
         assert "offload" in c["decisions"]  # the simulated device offers it
         assert c["stats"]["measured"] == len(c["plans"]) == script.device.DRY_SIZES.max_plans
+    # a plan from shapes measured as predicted (the CPU's calibration saved under --out)
+    shapes = parts["shapes"]["results"]
+    assert [r["precision"] for r in shapes["rows"]] == ["fp32", "bf16"]
+    assert shapes["rows"][0]["tracker"] == shapes["rows"][0]["predicted"]
+    assert Path(shapes["calibration"]).parent == tmp_path
     # the bench ran the offload strategies, with the reference's gradients
     rows = {r["strategy"]: r for r in parts["bench"]["results"]["data"]["rows"]}
     assert {"offload", "offload-blocks", "auto-50%"} <= set(rows)
@@ -94,7 +100,14 @@ def test_dry_run_runs_every_part_and_writes_the_summary(script, tmp_path):
     assert all(c["max_grad_diff"] == 0.0 and c["step_times_s"] for c in cases.values())
     assert "non-reentrant" in parts["overhead"]["results"]["ratios"]["sin"]
     md = (tmp_path / "summary.md").read_text()
-    for heading in ("pytest -m gpu", "Planner exactness", "remat bench", "Offload", "overhead"):
+    for heading in (
+        "pytest -m gpu",
+        "Planner exactness",
+        "Plans from shapes",
+        "remat bench",
+        "Offload",
+        "overhead",
+    ):
         assert heading in md
     assert md in done.stdout  # printed as written
     assert took < 120  # the issue's bar is a minute; generous for a loaded machine
@@ -181,3 +194,32 @@ def test_junit_outcomes_count_each_outcome_with_its_message(script, tmp_path, xm
     assert got["counts"] == counts
     messages = {t["test"]: t["message"] for t in got["tests"]}
     assert messages.get("t::b", "assert 1 == 2") == "assert 1 == 2"
+
+
+def test_shapes_part_saves_a_calibration_and_measures_a_plan_from_shapes_as_predicted(
+    script, tmp_path
+):
+    from remat.planner import calibration
+
+    check, summary = _check(script, tmp_path), _summary()
+    entry = script.run.run_part("shapes", script.parts.PARTS["shapes"], check, summary, 60)
+    assert entry["status"] == "ok", entry.get("error")
+    found = entry["results"]
+    saved = Path(found["calibration"])
+    assert saved.parent == tmp_path  # a dry run leaves the repository's calibrations alone
+    assert calibration.named(saved, torch.float32) == calibration.constants(
+        torch.device("cpu"), torch.float32, 1
+    )
+    fp32 = found["rows"][0]
+    # the tensors' bytes of a plan from shapes are those of the real step, and of a
+    # profile on the device
+    assert fp32["tracker"] == fp32["predicted"] == fp32["on_device_predicted"]
+    assert fp32["predicted"] <= fp32["budget"]
+
+
+@pytest.mark.parametrize(
+    ("name", "file"),
+    [("NVIDIA H200", "nvidia-h200"), ("NVIDIA H100 80GB HBM3", "nvidia-h100-80gb-hbm3")],
+)
+def test_calibration_file_is_named_after_the_gpu(script, name, file):
+    assert script.shapes.slug(name) == file

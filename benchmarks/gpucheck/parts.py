@@ -32,6 +32,7 @@ from remat.bench.strategies import registry
 from .device import PRECISIONS, ROOT, Check, allocator_window, autocast, release, sibling, sync
 from .planner import part_planner
 from .run import Deadline, Part, PartTimeout
+from .shapes import part_shapes
 
 # -- part 1: environment -------------------------------------------------------------------------
 
@@ -362,6 +363,7 @@ PARTS: dict[str, Part] = {
     "environment": part_environment,
     "pytest": part_pytest,
     "planner": part_planner,
+    "shapes": part_shapes,
     "bench": part_bench,
     "offload": part_offload,
     "overhead": part_overhead,

@@ -19,8 +19,9 @@ from .summary import render
 LIMITS_S = {
     "environment": 30.0,
     "pytest": 90.0,
-    "planner": 100.0,
-    "bench": 100.0,
+    "planner": 80.0,
+    "shapes": 30.0,
+    "bench": 80.0,
     "offload": 60.0,
     "overhead": 40.0,
 }

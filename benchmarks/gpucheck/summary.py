@@ -33,6 +33,12 @@ def part_line(name: str, found: dict[str, Any]) -> str:
                 f"{s.get('measured', 0)} exact"
             )
         return "; ".join(cells)
+    if name == "shapes":
+        return "; ".join(
+            f"{r['precision']}: tracker - predicted {r['tracker'] - r['predicted']}, "
+            f"allocator - predicted {r['allocated'] - r['predicted']}"
+            for r in found.get("rows", [])
+        )
     if name == "bench":
         return found.get("recommendation", "")
     if name == "offload":
@@ -70,6 +76,7 @@ def render(summary: dict[str, Any]) -> str:
     for name, fn in (
         ("pytest", _render_pytest),
         ("planner", _render_planner),
+        ("shapes", _render_shapes),
         ("bench", _render_bench),
         ("offload", _render_offload),
         ("overhead", _render_overhead),
@@ -139,6 +146,26 @@ def _render_planner(found: dict[str, Any]) -> list[str]:
                 f"| {row['model']} | {row['precision']} | {','.join(p['decisions'])} | "
                 f"{p['predicted']} | {p['tracker']} | {p['allocated']} |"
             )
+    return lines
+
+
+def _render_shapes(found: dict[str, Any]) -> list[str]:
+    """The part's table: bytes predicted from shapes against what the device measured."""
+    lines = [
+        "#### Plans from shapes (a meta copy planned for the device; bytes)",
+        "",
+        f"Calibration saved: `{found.get('calibration', '?')}`.",
+        "",
+        "| model dtype | decisions | predicted from shapes | on the device's profile | "
+        "tracker - predicted | allocator - predicted | device profile's scratch |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in found.get("rows", []):
+        lines.append(
+            f"| {r['precision']} | {','.join(r['decisions'])} | {r['predicted']} | "
+            f"{r['on_device_predicted']} | {r['tracker'] - r['predicted']} | "
+            f"{r['allocated'] - r['predicted']} | {r['on_device_scratch']} |"
+        )
     return lines
 
 

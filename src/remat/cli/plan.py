@@ -10,6 +10,16 @@ without arguments and returns ``(model, example_args)``: ``model`` an
 ``nn.Module``, ``example_args`` a tuple of positional arguments for its forward
 (anything else is its only argument, a list included).
 
+A model (and inputs) the factory builds on the meta device (``with torch.device("meta"):``)
+is planned from shapes alone (:mod:`remat.planner.meta`): nothing is allocated, every
+tensor's bytes are counted as on ``--device`` (the device it will train on), and the
+scratch inside operators is not counted (the output says so). ``--hf-config`` builds a
+Hugging Face causal language model from its config on meta (:mod:`remat.cli._hfconfig`):
+"will a 7B model fit in 80 GB at 4096 tokens?" answered on a laptop, in seconds::
+
+    remat plan --hf-config llama-7b.json --batch 1 --seq 4096 --dtype bfloat16 \
+        --optimizer adamw --budget 60GiB --device cuda --calibration H100
+
 The command-line values are checked before the model is built; the factory or
 the model raising is a runtime error (exit code 1), reported in one line with
 where it was raised.
@@ -30,8 +40,11 @@ import torch
 from .._errors import PlanError
 from .._modelinfo import device_of
 from ..planner import advice
+from ..planner.calibration import named as named_calibration
+from ..planner.calibration import saved_names
 from ..planner.inputs import Inputs
 from ..planner.measure import profile
+from ..planner.meta import is_meta
 from ..planner.render import fmt_bytes as _fmt
 from ..planner.shapes import Shapes, shape_plans
 from ..planner.solve import plan
@@ -40,6 +53,8 @@ from ._factory import add_target_arguments
 from ._factory import builtin_model as _builtin
 from ._factory import factory_hint as _hint
 from ._factory import load_factory as _load
+from ._hfconfig import DTYPES, one_sequence_a_row, read_config
+from ._hfconfig import build as build_hf
 from ._usage import RunError, UsageError, check_output_path, describe, write_text
 
 
@@ -55,6 +70,26 @@ def add_parser(sub: Any) -> None:
         ),
     )
     add_target_arguments(p, "plan")
+    hf = p.add_argument_group(
+        "a Hugging Face model from its config (instead of MODULE:FACTORY), built on the meta "
+        "device: nothing allocated"
+    )
+    hf.add_argument(
+        "--hf-config",
+        metavar="FILE_OR_JSON",
+        default=None,
+        help="a model's config.json, a folder holding one, or the JSON text; planned as "
+        "AutoModelForCausalLM.from_config on the meta device with use_cache=False",
+    )
+    hf.add_argument("--batch", type=int, default=None, help="with --hf-config: rows (default 1)")
+    hf.add_argument("--seq", type=int, default=None, help="with --hf-config: tokens a row")
+    hf.add_argument(
+        "--dtype",
+        choices=tuple(DTYPES),
+        default=None,
+        help="with --hf-config: the parameters' dtype (default: the config's torch_dtype, "
+        "else float32)",
+    )
     p.add_argument(
         "--budget",
         required=True,
@@ -73,7 +108,25 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="your loop keeps gradients allocated (zero_grad(set_to_none=False), accumulation)",
     )
-    p.add_argument("--timer", choices=("time", "measured", "flops"), default="time", help="cost measure")
+    p.add_argument(
+        "--timer", choices=("time", "measured", "flops"), default="time", help="cost measure"
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="for a model on the meta device (--hf-config, or a factory that builds under "
+        "torch.device('meta')): the device it will train on; bytes are counted as there and "
+        "--timer time prices with its calibration (default cpu)",
+    )
+    p.add_argument(
+        "--calibration",
+        metavar="NAME_OR_FILE",
+        default=None,
+        help="with --timer time: price the plan with a saved calibration: a device's name "
+        "(one shipped with remat) or a file written by remat.planner.calibration.save "
+        "(default: this machine's device, calibrated once and cached)",
+    )
     p.add_argument(
         "--autocast",
         choices=tuple(AUTOCAST),
@@ -139,6 +192,22 @@ def _check(args: argparse.Namespace) -> None:
         )
     if args.json is not None:
         check_output_path("--json", args.json)
+    _check_hf(args)
+    if args.calibration is not None:
+        if args.timer != "time":
+            raise UsageError(
+                f"--calibration prices counted work (--timer time); --timer {args.timer} "
+                "does not use it: drop one of them."
+            )
+        try:
+            named_calibration(args.calibration, torch.float32)
+        except (ValueError, OSError, KeyError) as e:
+            raise UsageError(
+                f"--calibration {args.calibration!r}: "
+                f"{str(e).removeprefix('remat: ').removesuffix('.')}; pass a device's name "
+                f"({', '.join(sorted(saved_names())) or 'none shipped yet'}) or a file saved "
+                "by remat.planner.calibration.save."
+            ) from None
     if args.shapes is not None:
         args.shapes = parse_shapes(args.shapes)
         if args.diagnose:
@@ -146,6 +215,67 @@ def _check(args: argparse.Namespace) -> None:
                 "--diagnose runs on one batch shape: leave it out with --shapes, and run "
                 "remat explain on a batch to see its warnings."
             )
+
+
+def _check_hf(args: argparse.Namespace) -> None:
+    """``--hf-config`` and the flags that only go with it."""
+    if args.hf_config is None:
+        given = [f for f in ("batch", "seq", "dtype") if getattr(args, f) is not None]
+        if given:
+            raise UsageError(
+                f"--{given[0]} sizes the inputs of --hf-config; a factory makes its own "
+                "inputs: drop it, or pass --hf-config."
+            )
+        return
+    if args.target is not None or args.model is not None:
+        other = args.target if args.target is not None else f"--model {args.model}"
+        raise UsageError(
+            f"--hf-config builds the model to plan: drop {other}, or drop --hf-config."
+        )
+    if args.seq is None:
+        raise UsageError("--hf-config needs --seq, the tokens a row of the batch (e.g. 4096).")
+    for flag, value in (("--batch", args.batch), ("--seq", args.seq)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}.")
+
+
+def _check_meta(args: argparse.Namespace, shaped: bool, where: Any) -> None:
+    """The flags that depend on whether the model is on the meta device (``shaped``)."""
+    if not shaped:
+        if args.device is not None:
+            raise UsageError(
+                f"--device is for a model on the meta device (the device it will train on); "
+                f"{args.target}'s model is on {where}, where it is profiled: drop --device."
+            )
+        return
+    refused = {
+        "--autocast": args.autocast is not None,
+        "--diagnose": args.diagnose,
+        "--timer measured": args.timer == "measured",
+    }
+    for flag, given in refused.items():
+        if given:
+            raise UsageError(
+                f"{flag} runs real steps, and a model on the meta device has none: drop it "
+                "(build the model in the dtype it computes in for --autocast)."
+            )
+    if args.shapes is not None:
+        raise UsageError(
+            "--shapes is not planned from shapes yet: plan the largest batch of a model on "
+            "the meta device without it, or build the model on its device."
+        )
+    if (
+        args.device == "cuda"
+        and args.timer == "time"
+        and args.calibration is None
+        and not torch.cuda.is_available()
+    ):
+        raise UsageError(
+            "--device cuda prices the plan with a GPU's calibration and this machine has no "
+            "CUDA device: pass --calibration NAME_OR_FILE (shipped: "
+            f"{', '.join(sorted(saved_names())) or 'none yet'}; or a file saved by "
+            "remat.planner.calibration.save on the GPU), or --timer flops."
+        )
 
 
 def parse_shapes(text: str) -> Shapes:
@@ -171,7 +301,22 @@ def main(args: argparse.Namespace) -> int:
     """Run ``remat plan``: exit code 0 done, 2 a usage mistake, 1 the factory or model failed."""
     try:
         _check(args)
-        if args.target is None:
+        if args.hf_config is not None:
+            fields = read_config(args.hf_config)
+            batch, dtype = args.batch or 1, DTYPES.get(args.dtype or "")
+            if dtype is None:
+                dtype = DTYPES.get(
+                    str(fields.get("torch_dtype") or fields.get("dtype")), torch.float32
+                )
+            try:
+                model, inputs, label = build_hf(fields, batch, args.seq, dtype)
+            except UsageError:
+                raise
+            except Exception as e:
+                raise RunError(f"building the model of --hf-config raised {describe(e)}") from None
+            example, was_tuple = (inputs,), True
+            print(f"remat plan: {label}", flush=True)
+        elif args.target is None:
             model, example, label = _builtin(args.model)
             was_tuple = True
             print(f"remat plan: {label}", flush=True)
@@ -181,6 +326,8 @@ def main(args: argparse.Namespace) -> int:
             )
         else:
             model, example, was_tuple = _load(args.target)
+        shaped = is_meta(model, example)
+        _check_meta(args, shaped, device_of(model, example) if not shaped else "meta")
         try:
             make = OPTIMIZERS[args.optimizer]
             opt = None if make is None else make(model.parameters())
@@ -188,7 +335,7 @@ def main(args: argparse.Namespace) -> int:
             if args.autocast is not None:  # planned inside it: see remat.planner.amp
                 device = device_of(model, example)
                 region = torch.autocast(device.type, dtype=AUTOCAST[args.autocast])
-            with region:
+            with region, one_sequence_a_row() if shaped else contextlib.nullcontext():
                 if args.shapes is not None:
                     return _plan_shapes(args, model, example, opt, region)
                 prof = profile(
@@ -197,6 +344,8 @@ def main(args: argparse.Namespace) -> int:
                     optimizer=opt,
                     set_to_none=not args.keep_grads,
                     timer=args.timer,
+                    device=(args.device or "cpu") if shaped else None,
+                    calibration=args.calibration,
                 )
         except UsageError:  # --shapes: no plan meets the budget at some size
             raise
@@ -224,7 +373,15 @@ def main(args: argparse.Namespace) -> int:
             f"{_fmt(prof.unchecked_peak_bytes)} (before it starts: {_fmt(prof.static_step_bytes)} of "
             "parameters, buffers, inputs, kept gradients and optimizer state), "
             f"device {prof.device}, cost in {prof.cost_unit}"
+            + (f" priced with calibration {args.calibration}" if args.calibration else "")
         )
+        if prof.from_shapes:
+            print(
+                f"remat plan: from shapes (a model on the meta device, nothing allocated): "
+                f"every tensor's bytes as on {prof.device}; the scratch inside operators "
+                "(cuBLAS, cuDNN, oneDNN workspaces) is not counted, only a real step shows it: "
+                "leave room for it under the budget"
+            )
         print(chosen)
         if args.json is not None:
             write_text("--json", args.json, chosen.to_json())

@@ -169,7 +169,8 @@ class StepState:
             vars(opt).update(self.opt_attrs)
             with torch.no_grad():
                 for p, v in zip(self.params, self.values):
-                    p.copy_(v)
+                    if v is not p:
+                        p.copy_(v)
         for t, grad in zip(self.leaves, self.grads):
             t.grad = grad
         self.buffers.restore()
