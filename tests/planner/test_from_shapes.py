@@ -48,6 +48,11 @@ def _gpt(device: str) -> Batch:
     return build(GPT, device=device), (example_input(GPT, device=device),), {}
 
 
+def _gpt_bf16(device: str) -> Batch:
+    """In bfloat16: CPU's layer norm keeps its statistics in bfloat16, meta's in float32."""
+    return build(GPT, device=device).to(torch.bfloat16), (example_input(GPT, device=device),), {}
+
+
 def _resnet(device: str) -> Batch:
     torch.manual_seed(0)
     with torch.device(device):
@@ -91,6 +96,7 @@ needs_hf = pytest.mark.skipif(
 
 FAMILIES = [
     pytest.param(_gpt, id="bench-gpt"),  # SDPA (dropout: the math kernel), a vocabulary head
+    pytest.param(_gpt_bf16, id="bench-gpt-bf16"),  # normalisation statistics in bf16 on CPU
     pytest.param(_resnet, id="resnet"),  # BatchNorm's running statistics, in-place ReLU
     # transformers (5.x) builds a 2-D mask and then reads values to skip it: with no
     # attention_mask, find_packed_sequence_indices(position_ids)'s `.all()`; with a 2-D one,

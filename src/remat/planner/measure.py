@@ -56,7 +56,7 @@ from .apply import apply_decision, restore_state, snapshot_state
 from .calibration import make_clock
 from .distributed import active, agree_profile, agree_same
 from .inputs import Inputs, model_inputs
-from .meta import AsDevice, check_no_autocast, is_meta, target_device
+from .meta import AsDevice, CpuStatistics, check_no_autocast, is_meta, target_device
 from .probes import (
     CallCount,
     InputFrees,
@@ -256,7 +256,8 @@ def _shapes_only(target: torch.device | None) -> Iterator[None]:
     if target is None:
         yield
         return
-    with meta_holds_bytes(), AsDevice(target):
+    fixes = CpuStatistics() if target.type == "cpu" else contextlib.nullcontext()
+    with meta_holds_bytes(), AsDevice(target), fixes:
         yield
 
 

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from .._tree import tensors_in
 
@@ -183,6 +183,29 @@ def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | N
         return mask
     ninf = torch.scalar_tensor(float("-inf"), dtype=dtype, device=mask.device)
     return torch.where(mask, 0.0, ninf)
+
+
+_LOW = (torch.bfloat16, torch.float16)
+
+
+class CpuStatistics(TorchDispatchMode):
+    """Inside, the normalisations on meta tensors return their statistics in the dtype CPU's
+    kernels do: layer norm's mean and reciprocal deviation in the input's dtype, batch norm's
+    saved mean and inverse deviation in the weight's (else the input's); the meta kernels
+    return them in float32, as CUDA's do. Saved for backward, they are bytes of the step."""
+
+    _LAYER = torch.ops.aten.native_layer_norm.default
+    _BATCH = torch.ops.aten.native_batch_norm.default
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func is self._LAYER or func is self._BATCH:
+            x = args[0]
+            weight = args[2] if func is self._LAYER else args[1]
+            dtype = weight.dtype if func is self._BATCH and weight is not None else x.dtype
+            if x.is_meta and dtype in _LOW and out[1].dtype != dtype:
+                return (out[0], *(t.to(dtype) for t in out[1:]))
+        return out
 
 
 def _standin(t: torch.Tensor) -> torch.Tensor:
