@@ -118,8 +118,11 @@ class StepState:
                 for g in optimizer.param_groups
             ]
             self.opt_attrs = {k: v for k, v in vars(optimizer).items() if k == "_opt_called"}
-            with torch.no_grad():  # in host memory: the device's is the steps'
-                self.values = [p.detach().to("cpu", copy=True) for p in self.params]
+            with torch.no_grad():  # in host memory: the device's is the steps' (meta: no data)
+                self.values = [
+                    p.detach() if p.is_meta else p.detach().to("cpu", copy=True)
+                    for p in self.params
+                ]
         for t in self.leaves:
             t.grad = None
         self.data: list[list[Any]] = []  # [tensor, version, host copy]
