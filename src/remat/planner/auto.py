@@ -369,6 +369,7 @@ def auto_checkpoint(
     args, kwargs = model_inputs(args, kwargs, "remat.auto_checkpoint")
     check_module(model, "remat.auto_checkpoint")
     check_grad_enabled("remat.auto_checkpoint")
+    check_step_options("remat.auto_checkpoint", optimizer, set_to_none)  # before any twin
     agree = active(distributed)
     inputs = Inputs(*args, **kwargs)
     if shapes is not None:
