@@ -133,10 +133,12 @@ def test_trainer_with_callback_trains_as_without_and_within_the_budget(
     assert _get_current_dispatch_mode_stack() == []
 
 
-def test_plan_is_made_once_with_the_trainers_optimizer(tmp_path):
+def test_plan_is_made_once_with_the_trainers_optimizer(tmp_path, capsys):
     cb = hf.RematCallback("60%", timer="flops")
     train(tmp_path, [cb])
     assert cb.plan.breakdown["optimizer"] > 0  # AdamW's state is in the planned step
+    err = capsys.readouterr().err  # planning said each stage
+    assert "remat.auto_checkpoint: profiling" in err and "planned, measured peak" in err
     first = cb.plan
     # the first step creates the optimizer state, later ones start with it
     assert cb.checks[0].peak_bytes < cb.checks[1].peak_bytes

@@ -132,11 +132,13 @@ def test_fit_with_callback_trains_as_without_and_within_the_budget(accumulation,
     assert "log" not in measured.__dict__ and "log_dict" not in measured.__dict__
 
 
-def test_plan_names_are_the_modules_blocks():
+def test_plan_names_are_the_modules_blocks(capsys):
     cb = RematCallback("50%", timer="flops", measure=False)
     fit([cb])
     assert list(cb.plan.decisions) == [f"module.blocks.{i}" for i in range(4)]
     assert cb.plan.breakdown["optimizer"] > 0  # AdamW's state is in the planned step
+    err = capsys.readouterr().err  # planning said each stage
+    assert "remat.auto_checkpoint: profiling" in err and "planned, measured peak" in err
 
 
 def test_check_fn_picks_blocks_by_the_modules_own_names():

@@ -43,6 +43,15 @@ def test_planning_says_each_stage_unless_quiet(capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_a_model_with_an_optimizer_is_profiled_from_shapes(capsys):
+    # the optimizer's steps on the meta twin keep its parameters' values (none: meta) to put back
+    model, x = build(GPT), example_input(GPT)
+    opt = torch.optim.AdamW(model.parameters())
+    remat.auto_checkpoint(model, x, budget="70%", optimizer=opt, timer="flops")
+    err = capsys.readouterr().err
+    assert "profiling from shapes" in err and "profiling real steps" not in err
+
+
 def test_a_model_on_the_meta_device_is_planned_and_the_plan_applies_to_the_real_one():
     with torch.device("meta"):
         meta = build(GPT, device="meta")

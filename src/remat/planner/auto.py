@@ -26,9 +26,10 @@ from .amp import fresh_region, outside
 from .apply import restore_state, snapshot_state
 from .distributed import active, agree_max, agree_min, agree_profile, agree_same
 from .inputs import Inputs, model_inputs
-from .meta import is_meta, twin
+from .meta import is_meta
 from .progress import Progress
 from .render import fmt_bytes
+from .shaped import ProfileSource
 from .shapes import ShapePlans, Shapes, shape_plans
 from .sharded import unsharded_storages
 from .solve import Plan, Profile, plan
@@ -368,6 +369,7 @@ def auto_checkpoint(
     args, kwargs = model_inputs(args, kwargs, "remat.auto_checkpoint")
     check_module(model, "remat.auto_checkpoint")
     check_grad_enabled("remat.auto_checkpoint")
+    check_step_options("remat.auto_checkpoint", optimizer, set_to_none)  # before any twin
     agree = active(distributed)
     inputs = Inputs(*args, **kwargs)
     if shapes is not None:
@@ -390,10 +392,12 @@ def auto_checkpoint(
             f"model's tensors are on {device_of(model, (args, kwargs))}: leave device out."
         )
     if profile is None:
-        prof = _first_profile(
-            model, inputs, optimizer, set_to_none, loss_fn, check_fn, timer, distributed,
-            device, agree, say,
+        source = ProfileSource(
+            model, optimizer=optimizer, set_to_none=set_to_none, loss_fn=loss_fn,
+            check_fn=check_fn, timer=timer, distributed=distributed, agree=agree,
+            device=device, say=say,
         )  # fmt: skip
+        prof = source(inputs)
     else:
         check_profile_matches(profile, model, args, kwargs, optimizer, set_to_none, check_fn)
         prof = agree_profile(profile) if agree else profile  # a no-op on an agreed profile
@@ -500,71 +504,6 @@ def auto_checkpoint(
     )
 
 
-def _first_profile(
-    model: nn.Module,
-    inputs: Inputs,
-    optimizer: torch.optim.Optimizer | None,
-    set_to_none: bool,
-    loss_fn: Callable[[Any], torch.Tensor] | None,
-    check_fn: Callable[[str, nn.Module], bool] | None,
-    timer: str,
-    distributed: bool | None,
-    device: str | torch.device | None,
-    agree: bool,
-    say: Progress,
-) -> Profile:
-    """The profile ``auto_checkpoint`` plans from: from shapes where it can (see its
-    docstring), else of real steps."""
-    options: dict[str, Any] = dict(
-        optimizer=optimizer, set_to_none=set_to_none, loss_fn=loss_fn, timer=timer
-    )
-    args, kwargs = inputs.args, inputs.kwargs
-    if is_meta(model, (args, kwargs)):
-        say("profiling from shapes (a model on the meta device)")
-        return measure.profile(
-            model, inputs, check_fn=check_fn, distributed=distributed, device=device, **options
-        )
-    why = _no_shapes(model, timer, agree)
-    if why is None:
-        try:
-            twin_model, a, k, twin_opt = twin(model, args, kwargs, optimizer)
-            # the twin's modules answer check_fn as the model's own of the same name
-            pick = None if check_fn is None else _by_name(model, check_fn)
-            say("profiling from shapes (a meta copy of the model: nothing allocated)")
-            return measure.profile(
-                twin_model, Inputs(*a, **k), check_fn=pick, distributed=False,
-                device=device_of(model, (args, kwargs)), **{**options, "optimizer": twin_opt},
-            )  # fmt: skip
-        except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
-            why = f"shapes alone do not profile it ({type(e).__name__}: {str(e).splitlines()[0]})"
-    say(f"profiling real steps, the unchecked step among them: {why}")
-    return measure.profile(
-        model, inputs, check_fn=check_fn, distributed=distributed, **options
-    )
-
-
-def _no_shapes(model: nn.Module, timer: str, agree: bool) -> str | None:
-    """Why a real model is not profiled from shapes (``None``: it is)."""
-    if timer == "measured":
-        return "timer='measured' times real steps"
-    if agree:
-        return "the ranks of a process group profile together"
-    if any(torch.is_autocast_enabled(t) for t in ("cpu", "cuda")):
-        return "autocast applies to real devices only"
-    if any(type(p) is not nn.Parameter for p in model.parameters()):
-        return "its parameters are not plain (FSDP2's, a tensor subclass)"
-    return None
-
-
-def _by_name(
-    model: nn.Module, check_fn: Callable[[str, nn.Module], bool]
-) -> Callable[[str, nn.Module], bool]:
-    def pick(name: str, _twin: nn.Module) -> bool:
-        return check_fn(name, model.get_submodule(name))
-
-    return pick
-
-
 def _auto_shapes(
     model: nn.Module,
     inputs: Inputs,
@@ -580,30 +519,56 @@ def _auto_shapes(
 ) -> ShapePlans:
     """``auto_checkpoint(shapes=...)``: the plans of :func:`~remat.planner.shapes.shape_plans`,
     installed, with real steps at each profiled size measured through the hook (as one plan's
-    are): over the budget, every size is planned again below it by the largest overshoot."""
+    are): over the budget, every size is planned again below it by the largest overshoot.
+
+    Profiled from shapes, the sizes' scratch inside operators is measured in one more real
+    step of each size's plan (under the profiler), and every size planned again with it, as
+    :func:`auto_checkpoint` does for one plan."""
+    say = Progress("remat.auto_checkpoint", quiet)
     plans = shape_plans(
         model, inputs, shapes, budget, optimizer=optimizer, set_to_none=set_to_none,
         loss_fn=loss_fn, check_fn=check_fn, timer=timer, distributed=distributed, quiet=quiet,
+        say=say,
     )  # fmt: skip
     agree = active(distributed)
     target = plans.budget_bytes
     args = (inputs.args, inputs.kwargs)
+    names = [b.name for b in plans.fit.profiles[plans.largest].blocks]
+    unknown = set(plans.fit.sizes) if plans.fit.profiles[plans.largest].from_shapes else set()
     over = 0
     plans.install()
     try:
         for attempt in range(4):
-            over = 0
+            peaks = {}
+            located = bool(unknown)
             for n in plans.fit.sizes:
                 a, k = shapes.cut(args, plans.largest, n)
-                measured = measure_peak(
-                    model, Inputs(*a, **k), optimizer=optimizer, set_to_none=set_to_none,
-                    loss_fn=loss_fn,
-                )  # fmt: skip
+                at = Inputs(*a, **k)
+                say(
+                    f"checking the plan at size {n} in real steps (predicted "
+                    f"{fmt_bytes(plans.plan_for(n).predicted_peak_bytes)})"
+                )
+                peaks[n] = measure_peak(
+                    model, at, optimizer=optimizer, set_to_none=set_to_none, loss_fn=loss_fn
+                )
+                if n in unknown:  # the hook applied the plan at n: the scratch where it is
+                    say(f"measuring the scratch inside operators under the plan at size {n}")
+                    scratch = measure.plan_scratch(model, at, names, optimizer, set_to_none, loss_fn)
+                    plans.fit.add_scratch(n, measure.located(plans.fit.profiles[n], scratch))
+                    unknown.discard(n)
                 if agree:
-                    (measured,) = agree_max([measured])
-                # the scratch the plan at that size adds at its own peak (Plan.scratch_bytes)
-                over = max(over, measured + plans.plan_for(n).scratch_bytes - target)
+                    (peaks[n],) = agree_max([peaks[n]])
+            if located:  # a share's scratch is known now: the budget and the plans move
+                before = {n: _choice(plans.plan_for(n)) for n in plans.fit.sizes}
+                moved = budget_of(plans.fit.profiles[plans.largest], budget) - target
+                target += moved
+                plans.replan(plans.goal + moved, budget_bytes=target)
+                if any(_choice(plans.plan_for(n)) != before[n] for n in plans.fit.sizes):
+                    continue  # the scratch moved a plan: check the new ones
+            # the scratch the plan at each size adds at its own peak (Plan.scratch_bytes)
+            over = max(peaks[n] + plans.plan_for(n).scratch_bytes - target for n in peaks)
             if over <= 0:
+                say.done(f"planned {len(peaks)} sizes, each measured peak within the budget")
                 return plans
             if attempt == 3:
                 break
@@ -622,3 +587,8 @@ def _auto_shapes(
         f"budget {fmt_bytes(target)} ({target} bytes) after re-planning; the model was left as "
         "it was. Raise the budget or pick finer blocks (check_fn=...)."
     )
+
+
+def _choice(chosen: Plan) -> tuple[object, ...]:
+    """What a plan does to the blocks (its decisions and spans)."""
+    return tuple(chosen.decisions.items()), tuple(map(tuple, chosen.spans))

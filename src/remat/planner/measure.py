@@ -506,7 +506,6 @@ def _measure(
         offload = offload_inputs(model, modules, step.args, step.kwargs, step.state, before)
     if is_ddp(model):  # DDP rebuilds its buckets in the second step: not in a measured one
         step()
-    step.clear_grads()
     # The scratch of each window with the blocks kept, whatever the model's own wrapping (put
     # back by the caller). After the offload probes the blocks stay as their last forward
     # left them (some checkpointed: their forward's scratch is then also counted in their
@@ -515,12 +514,13 @@ def _measure(
     for nm, state in snapshot_state(blocks).items():
         if not probed and any(st for _, st in state):
             apply_decision(blocks[nm], KEEP)
-    scratch = None  # from shapes: none is seen (Profile.from_shapes)
+    # From shapes no scratch is seen (Profile.from_shapes), and no step is run for it: the
+    # warm-up's gradients are those the scratch step would leave (the same bytes).
+    scratch = None
     if step.target is None:
+        step.clear_grads()
         with BlockHooks(modules, WindowMarks(n)):
             scratch = window_scratch(step, step.device)
-    else:
-        step()  # the gradients, as the scratch step leaves them
     storages = unsharded_storages(model)
     step.grad_bytes = grad_bytes(step.state.grad_params, step.counted)
     splittable = {nm for nm, mod in blocks.items() if can_split(mod)}

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from .._tree import tensors_in
+from .._tree import replace_tensors, tensors_in
 
 log = logging.getLogger("remat")
 
@@ -263,6 +263,25 @@ def twin(
         takes = inspect.signature(cls.__init__).parameters
         meta_opt = cls(groups, **{k: v for k, v in optimizer.defaults.items() if k in takes})
     return meta_model, meta_args, meta_kwargs, meta_opt
+
+
+def on_meta(args: Any) -> Any:
+    """``args`` with each tensor a meta copy of it (:func:`twin`'s, one per tensor; other
+    leaves shared), for a batch of another shape than the one a twin was made with.
+
+    Example:
+        >>> import torch
+        >>> (x, n), _ = on_meta(((torch.randn(2, 4), 3), {}))
+        >>> x.is_meta, list(x.shape), n
+        (True, [2, 4], 3)
+    """
+    found: list[torch.Tensor] = []
+    tensors_in(args, found)
+    memo: dict[int, torch.Tensor] = {}
+    for t in found:
+        if id(t) not in memo:
+            memo[id(t)] = _meta_of(t)
+    return replace_tensors(args, [memo[id(t)] for t in found], [0])
 
 
 def _meta_of(t: torch.Tensor) -> torch.Tensor:

@@ -20,8 +20,10 @@ the trusted intervals the caller measures each size it needs instead of trusting
 (:mod:`remat.planner.shapes`). Times (and FLOPs) are interpolated the same way and
 never checked: they only rank plans, a time below 0 is taken as 0. Scratch inside operators
 (``scratch_bytes`` and the per-window scratch terms) is the workspace a kernel sizes by its
-own thresholds: between two knots it is the larger of their values (scratch assumed to grow
-with the size within an interval), neither fitted nor checked.
+own thresholds: between two sizes where it was measured it is the larger of their values
+(scratch assumed to grow with the size within an interval), neither fitted nor checked. A
+profile from shapes sees none: its knot's scratch is measured in a real step of the planned
+model and given by :meth:`ShapeFit.add_scratch`.
 
 Example:
     >>> import torch, remat
@@ -107,11 +109,21 @@ def _bounded(name: str) -> bool:
     return "scratch" in name
 
 
+def _scratch_terms(values: Mapping[str, int | float]) -> dict[str, int | float]:
+    """The scratch terms of :func:`terms`' record."""
+    return {k: v for k, v in values.items() if _bounded(k)}
+
+
 def _structure(prof: ProfileData) -> tuple[object, ...]:
     """What must be the same at every size: the blocks, decisions, options and the keys of
     every dict of terms (:func:`~remat.planner.distributed.structure`), shapes and the unit
-    of times apart (the bytes of a profile counting FLOPs are those of one timing steps)."""
-    return structure(dataclasses.replace(prof, input_shapes=[], cost_unit=""))
+    of times apart (the bytes of a profile counting FLOPs are those of one timing steps), and
+    where its scratch came from (a profile from shapes has it measured later, or not)."""
+    return structure(
+        dataclasses.replace(
+            prof, input_shapes=[], cost_unit="", scratch_located=False, from_shapes=False
+        )
+    )
 
 
 def interpolate(knots: Sequence[tuple[int, int | float]], x: int) -> Fraction:
@@ -163,6 +175,11 @@ class ShapeFit:
             self._check_structure(n, self.profiles[n])
         self._times = {n: terms(p) for n, p in self.profiles.items()}
         self._bytes = dict(self._times)
+        #: per size whose scratch inside operators was measured (not a profile from
+        #: shapes, which sees none), its scratch terms
+        self._scratch = {
+            n: _scratch_terms(t) for n, t in self._times.items() if not self.profiles[n].from_shapes
+        }
         self._certified: dict[tuple[int, int], dict[str, tuple[int, ...]]] = {}
         self.misfits: dict[int, list[str]] = {}
         """Per size checked by :meth:`refine`, the byte terms the fit missed there."""
@@ -193,6 +210,31 @@ class ShapeFit:
         """Take the bytes measured at ``size`` as a knot (its times are not used)."""
         self._check_structure(size, prof)
         self._bytes[size] = terms(prof)
+        if not prof.from_shapes:
+            self._scratch[size] = _scratch_terms(self._bytes[size])
+
+    def add_scratch(self, size: int, prof: Profile) -> None:
+        """Take the scratch inside operators of ``prof`` (the profile at the knot ``size``
+        with the scratch a real step measured there, :func:`remat.planner.measure.located`):
+        the profile at ``size`` becomes ``prof``, and sizes between knots are bounded by it."""
+        self._check_structure(size, prof)
+        got = _scratch_terms(terms(prof))
+        self._scratch[size] = got
+        if size in self.profiles:
+            self.profiles[size] = prof
+            self._times[size] = {**self._times[size], **got}
+        if size in self._bytes:
+            self._bytes[size] = {**self._bytes[size], **got}
+
+    def _scratch_at(self, name: str, size: int) -> int:
+        """A scratch term at ``size``: measured there, else the larger of the sizes around
+        it whose scratch was measured (0 while none was)."""
+        known = sorted(self._scratch)
+        if size in self._scratch or not known:
+            return int(self._scratch.get(size, {}).get(name, 0))
+        around = [(a, b) for a, b in zip(known, known[1:]) if a < size < b]
+        ends = around[0] if around else self._window(known, size)
+        return max(int(self._scratch[n][name]) for n in ends)
 
     @staticmethod
     def _window(knots: list[int], x: int) -> tuple[int, ...]:
@@ -255,16 +297,14 @@ class ShapeFit:
         out: dict[str, int | float] = {}
         for name, v in self._times[self.sizes[0]].items():
             is_float = isinstance(v, float)
+            if _bounded(name):
+                out[name] = self._scratch_at(name, size)
+                continue
             if not is_float and base is not None:
                 out[name] = base[name]
                 continue
             if is_float and size in self._times:
                 out[name] = self._times[size][name]
-                continue
-            if _bounded(name):
-                around = self._interval(size)
-                ends = around if around is not None else nearest
-                out[name] = max(self._bytes[n][name] for n in ends)
                 continue
             source = self._times if is_float else self._bytes
             window = times if is_float else certified.get(name, nearest)
@@ -336,3 +376,5 @@ class ShapeFit:
             self.misfits[mid] = wrong
             out += [f"{k} at {mid}: fitted {fitted[k]}, measured {got[k]}" for k in wrong]
             self._bytes[mid] = got
+            if not prof.from_shapes:
+                self._scratch[mid] = _scratch_terms(got)

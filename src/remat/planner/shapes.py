@@ -47,8 +47,9 @@ from .._tree import replace_tensors, tensors_in
 from .apply import restore_state, snapshot_state
 from .distributed import active, agree_max, agree_min
 from .inputs import Inputs
-from .measure import profile as measure_profile
+from .progress import Progress
 from .render import fmt_bytes
+from .shaped import ProfileSource
 from .shapefit import ShapeFit
 from .solve import Plan, Profile, plan
 from .stepmodel import budget_of
@@ -225,6 +226,7 @@ class ShapePlans:
         fit: ShapeFit,
         budget_bytes: int,
         options: _Options,
+        source: ProfileSource,
     ) -> None:
         self.model = model
         self.shapes = shapes
@@ -236,6 +238,7 @@ class ShapePlans:
         self.goal = budget_bytes
         self._example = example
         self._options = options
+        self._source = source
         self._agree = active(options.distributed)
         self._plans: dict[int, Plan] = {}
         self._smallest: Plan | None = None
@@ -253,18 +256,12 @@ class ShapePlans:
         if not self.fit.trusted(size):
             log.info("remat: no checked shape fit at size %d; profiling it.", size)
             args = self.shapes.cut((self._example.args, self._example.kwargs), self.largest, size)
-            o = self._options
             self._busy = True
             try:
-                self.measured[size] = measure_profile(
-                    self.model,
+                self.measured[size] = self._source(
                     Inputs(*args[0], **args[1]),
-                    optimizer=o.optimizer,
-                    set_to_none=o.set_to_none,
-                    loss_fn=o.loss_fn,
-                    check_fn=o.check_fn,
+                    f" at size {size} (the fit is not checked there)",
                     timer="flops",
-                    distributed=o.distributed,
                 )
             finally:
                 self._busy = False
@@ -327,10 +324,12 @@ class ShapePlans:
         self.applied = chosen
         return chosen
 
-    def replan(self, goal: int) -> None:
+    def replan(self, goal: int, *, budget_bytes: int | None = None) -> None:
         """Plan every size again for ``goal`` bytes (below the budget when real steps were
-        over it)."""
+        over it), and for a new budget when ``budget_bytes`` is given."""
         self.goal = goal
+        if budget_bytes is not None:
+            self.budget_bytes = budget_bytes
         self._plans.clear()
         self._applied = None
 
@@ -397,13 +396,17 @@ def shape_plans(
     timer: str,
     distributed: bool | None,
     quiet: bool = False,
+    say: Progress | None = None,
 ) -> ShapePlans:
     """Profile ``model`` at the knots of ``shapes`` (``example`` is the largest batch), fit,
     check the fit between the knots, and return the :class:`ShapePlans` (hook not installed;
     :func:`remat.auto_checkpoint` checks real steps and installs it).
 
     The budget (``"40%"`` or bytes) is that of the largest size's step; under a process
-    group of two or more ranks it is the smallest any rank asked for.
+    group of two or more ranks it is the smallest any rank asked for. Each size is profiled
+    from shapes where the model can be (:class:`~remat.planner.shaped.ProfileSource`: no
+    real step runs), else in real steps; each profile is said on ``say`` (default: standard
+    error, unless ``quiet``).
     """
     if not isinstance(shapes, Shapes):
         raise TypeError(
@@ -419,19 +422,18 @@ def shape_plans(
             f"(largest {largest}, multiple={shapes.multiple}); pass larger example inputs or "
             "Shapes(sizes=...)."
         )
+    say = say or Progress("remat.auto_checkpoint", quiet)
+    source = ProfileSource(
+        model, optimizer=optimizer, set_to_none=set_to_none, loss_fn=loss_fn, check_fn=check_fn,
+        timer=timer, distributed=distributed, agree=active(distributed), device=None, say=say,
+    )  # fmt: skip
+    count = [0]
 
     def profile_at(size: int, timer: str) -> Profile:
         a, k = shapes.cut(args, largest, size)
-        return measure_profile(
-            model,
-            Inputs(*a, **k),
-            optimizer=optimizer,
-            set_to_none=set_to_none,
-            loss_fn=loss_fn,
-            check_fn=check_fn,
-            timer=timer,
-            distributed=distributed,
-        )
+        count[0] += 1
+        what = f"{count[0]} of {len(knots)}" if count[0] <= len(knots) else "checking the fit"
+        return source(Inputs(*a, **k), f" at size {size} ({what})", timer=timer)
 
     fit = ShapeFit({n: profile_at(n, timer) for n in knots})
     # Bytes do not depend on the timer: the checks count FLOPs, the cheapest steps.
@@ -451,4 +453,4 @@ def shape_plans(
     target = budget_of(fit.profiles[largest], budget)
     if active(distributed):
         (target,) = agree_min([target])
-    return ShapePlans(model, example, shapes, fit, target, options)
+    return ShapePlans(model, example, shapes, fit, target, options, source)
