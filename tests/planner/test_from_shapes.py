@@ -98,24 +98,10 @@ FAMILIES = [
     pytest.param(_gpt, id="bench-gpt"),  # SDPA (dropout: the math kernel), a vocabulary head
     pytest.param(_gpt_bf16, id="bench-gpt-bf16"),  # normalisation statistics in bf16 on CPU
     pytest.param(_resnet, id="resnet"),  # BatchNorm's running statistics, in-place ReLU
-    # transformers (5.x) builds a 2-D mask and then reads values to skip it: with no
-    # attention_mask, find_packed_sequence_indices(position_ids)'s `.all()`; with a 2-D one,
-    # fast_all(mask): Tensor.item() on meta tensors raises. Nothing remat can route.
-    pytest.param(
-        _llama,
-        id="llama",
-        marks=[
-            needs_hf,
-            pytest.mark.xfail(
-                strict=True,
-                raises=RuntimeError,
-                reason="transformers' create_causal_mask reads the position ids' values "
-                "(find_packed_sequence_indices(...).all()): Tensor.item() on meta",
-            ),
-        ],
-    ),
-    # RoPE; GQA by transformers' repeat_kv (a mask turns SDPA's enable_gqa off); the
-    # boolean mask made additive by SDPA, and saved so
+    # transformers (5.x) reads the position ids' values to find packed rows
+    # (find_packed_sequence_indices): answered "one sequence a row" on meta, as the model's
+    # own arange has (remat.planner.meta.one_sequence_a_row)
+    pytest.param(_llama, id="llama", marks=needs_hf),
     pytest.param(_llama_causal_mask, id="llama-4d-mask", marks=needs_hf),
     pytest.param(_t5, id="t5", marks=needs_hf),  # a position bias handed along each stack
 ]
@@ -269,3 +255,16 @@ def test_device_must_be_cpu_or_cuda_from_shapes():
     model, x = _meta_linear()
     with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda'"):
         remat.profile(model, x, timer="flops", device="mps")
+
+
+def test_a_fused_optimizer_is_profiled_from_shapes_as_on_cpu():
+    """AdamW(fused=True), the Trainer's default: its kernels run on meta tensors."""
+    from remat.planner.meta import twin
+
+    model, x = build(GPT), example_input(GPT)
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    real = remat.profile(model, x, optimizer=opt, timer="flops")
+    m, (mx,), _, mo = twin(model, (x,), {}, opt)
+    shaped = remat.profile(m, mx, optimizer=mo, timer="flops")
+    for f in ("optimizer_state_bytes", "optimizer_first_bytes", "optimizer_later_bytes"):
+        assert getattr(shaped, f) == getattr(real, f), f

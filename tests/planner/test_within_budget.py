@@ -104,3 +104,25 @@ def test_a_model_whose_shapes_depend_on_values_is_refused_from_shapes_and_profil
     p = remat.auto_checkpoint(model, x, budget="90%", timer="flops")
     assert "profiling real steps" in capsys.readouterr().err
     assert remat.measure_peak(model, x) <= p.budget_bytes
+
+
+class _Owner:
+    """A hook's owner that cannot be copied (a generator among its attributes), as the
+    Trainer's callbacks and meters are."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.stream = (i for i in range(3))
+
+    def hook(self, module: torch.nn.Module, args: object) -> None:
+        self.calls += 1
+
+
+def test_a_model_with_hooks_whose_owners_cannot_be_copied_is_profiled_from_shapes(capsys):
+    model, x = build(GPT), example_input(GPT)
+    owner = _Owner()
+    model.register_forward_pre_hook(owner.hook)
+    remat.auto_checkpoint(model, x, budget="70%", timer="flops")
+    err = capsys.readouterr().err
+    assert "profiling from shapes" in err and "profiling real steps" not in err
+    assert owner.calls > 0  # the meta copy ran the model's own hooks (the very objects)

@@ -11,17 +11,14 @@ computes its own loss).
 
 transformers looks at the position ids once per forward to find sequences packed into one
 row (``masking_utils.find_packed_sequence_indices``), a test of values that a meta tensor
-does not have; :func:`one_sequence_a_row` answers it as the inputs built here are: one
+does not have; :func:`remat.planner.meta.one_sequence_a_row` answers it as the inputs built here are: one
 sequence a row.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import sys
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -92,27 +89,3 @@ def build(
     return model, Inputs(input_ids=ids, labels=ids), label
 
 
-@contextlib.contextmanager
-def one_sequence_a_row() -> Iterator[None]:
-    """Inside, transformers (where imported) finds no packed sequences in meta position ids
-    (see the module docstring); real ones are looked at as before. Put back on exit."""
-    masking: Any = sys.modules.get("transformers.masking_utils")
-    found = getattr(masking, "find_packed_sequence_indices", None)
-    if found is None:
-        yield
-        return
-    masking.find_packed_sequence_indices = _OneSequenceARow(found)
-    try:
-        yield
-    finally:
-        masking.find_packed_sequence_indices = found
-
-
-class _OneSequenceARow:
-    """``find_packed_sequence_indices`` that answers "none packed" for meta position ids."""
-
-    def __init__(self, found: Any) -> None:
-        self.found = found
-
-    def __call__(self, position_ids: torch.Tensor) -> Any:
-        return None if position_ids.is_meta else self.found(position_ids)

@@ -44,7 +44,7 @@ from ..planner.calibration import named as named_calibration
 from ..planner.calibration import saved_names
 from ..planner.inputs import Inputs
 from ..planner.measure import profile
-from ..planner.meta import is_meta
+from ..planner.meta import is_meta, one_sequence_a_row
 from ..planner.render import fmt_bytes as _fmt
 from ..planner.shapes import Shapes, shape_plans
 from ..planner.solve import plan
@@ -53,7 +53,7 @@ from ._factory import add_target_arguments
 from ._factory import builtin_model as _builtin
 from ._factory import factory_hint as _hint
 from ._factory import load_factory as _load
-from ._hfconfig import DTYPES, one_sequence_a_row, read_config
+from ._hfconfig import DTYPES, read_config
 from ._hfconfig import build as build_hf
 from ._usage import RunError, UsageError, check_output_path, describe, write_text
 

@@ -56,7 +56,15 @@ from .apply import apply_decision, restore_state, snapshot_state
 from .calibration import make_clock
 from .distributed import active, agree_profile, agree_same
 from .inputs import Inputs, model_inputs
-from .meta import AsDevice, CpuStatistics, check_no_autocast, is_meta, target_device
+from .meta import (
+    AsDevice,
+    CpuStatistics,
+    check_no_autocast,
+    fused_on_meta,
+    is_meta,
+    one_sequence_a_row,
+    target_device,
+)
 from .probes import (
     CallCount,
     InputFrees,
@@ -234,7 +242,7 @@ def profile(
     if agree:  # before any step: ranks that would run different steps would hang
         agree_same((names, [str(d) for d in chosen], repeats, timer), "the blocks, decisions and steps")
     try:
-        with _shapes_only(target if shaped else None):
+        with _shapes_only(target if shaped else None, "position_ids" not in kwargs):
             prof = _profile(model, args, kwargs, optimizer, set_to_none, loss_fn, blocks, chosen,
                             timer, repeats, threads, calibration, target if shaped else None)  # fmt: skip
     except (RuntimeError, NotImplementedError) as e:
@@ -251,13 +259,15 @@ def profile(
 
 
 @contextlib.contextmanager
-def _shapes_only(target: torch.device | None) -> Iterator[None]:
-    """Meta tensors hold their bytes and run the target device's kernels (none: as they are)."""
+def _shapes_only(target: torch.device | None, own_positions: bool) -> Iterator[None]:
+    """Meta tensors hold their bytes and run the target device's kernels (none: as they are);
+    with ``own_positions`` (no ``position_ids`` passed) transformers sees one sequence a row."""
     if target is None:
         yield
         return
     fixes = CpuStatistics() if target.type == "cpu" else contextlib.nullcontext()
-    with meta_holds_bytes(), AsDevice(target), fixes:
+    rows = one_sequence_a_row() if own_positions else contextlib.nullcontext()
+    with meta_holds_bytes(), AsDevice(target), fixes, rows, fused_on_meta():
         yield
 
 

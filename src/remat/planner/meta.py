@@ -35,9 +35,12 @@ What a meta run cannot know, and how it is handled:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import logging
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -250,6 +253,11 @@ def twin(
     for t in found:
         if id(t) not in memo:
             memo[id(t)] = _meta_of(t)
+    for mod in model.modules():  # hooks are shared, not copied: they belong to their owners
+        for name, value in vars(mod).items():
+            if name.endswith("hooks") and isinstance(value, dict):
+                for hook in value.values():
+                    memo[id(hook)] = hook
     meta_model = copy.deepcopy(model, memo)
     meta_args, meta_kwargs = copy.deepcopy((args, kwargs), memo)
     meta_opt = None
@@ -282,6 +290,55 @@ def on_meta(args: Any) -> Any:
         if id(t) not in memo:
             memo[id(t)] = _meta_of(t)
     return replace_tensors(args, [memo[id(t)] for t in found], [0])
+
+
+@contextlib.contextmanager
+def one_sequence_a_row() -> Iterator[None]:
+    """Inside, transformers (where imported) finds no sequences packed into one row of meta
+    position ids, as a model that makes its own position ids (``arange`` of the length) has
+    none: ``masking_utils.find_packed_sequence_indices`` tests their values, which meta
+    tensors do not have. Real position ids are looked at as before; put back on exit. Not
+    used where the caller passes its own ``position_ids`` (packed rows are possible then).
+    """
+    masking: Any = sys.modules.get("transformers.masking_utils")
+    found = getattr(masking, "find_packed_sequence_indices", None)
+    if found is None:
+        yield
+        return
+    masking.find_packed_sequence_indices = _OneSequenceARow(found)
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = found
+
+
+@contextlib.contextmanager
+def fused_on_meta() -> Iterator[None]:
+    """Inside, torch's fused optimizers (``AdamW(fused=True)``, the Trainer's default) take
+    meta parameters: their kernels have meta implementations, only the device check before
+    them refuses meta. Put back on exit."""
+    from torch.optim import optimizer as optim
+
+    devices = optim._get_fused_kernels_supported_devices
+
+    def with_meta() -> list[str]:
+        return [*devices(), "meta"]
+
+    optim._get_fused_kernels_supported_devices = with_meta
+    try:
+        yield
+    finally:
+        optim._get_fused_kernels_supported_devices = devices
+
+
+class _OneSequenceARow:
+    """``find_packed_sequence_indices`` answering "none packed" for meta position ids."""
+
+    def __init__(self, found: Any) -> None:
+        self.found = found
+
+    def __call__(self, position_ids: torch.Tensor) -> Any:
+        return None if position_ids.is_meta else self.found(position_ids)
 
 
 def _meta_of(t: torch.Tensor) -> torch.Tensor:
