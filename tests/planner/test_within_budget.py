@@ -126,3 +126,35 @@ def test_a_model_with_hooks_whose_owners_cannot_be_copied_is_profiled_from_shape
     err = capsys.readouterr().err
     assert "profiling from shapes" in err and "profiling real steps" not in err
     assert owner.calls > 0  # the meta copy ran the model's own hooks (the very objects)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_model_whose_unchecked_step_exceeds_the_memory_fraction_is_planned_and_trains():
+    cfg = ModelConfig(layers=6, d_model=512, seq=1024, batch=8, heads=8, vocab=512)
+    model, x = build(cfg, device="cuda"), example_input(cfg, device="cuda")
+    opt = torch.optim.AdamW(model.parameters())
+    from remat.planner.meta import twin
+
+    m, (mx,), _, mo = twin(model, (x,), {}, opt)
+    unchecked = remat.profile(m, mx, optimizer=mo, timer="flops", device="cuda").unchecked_peak_bytes
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.empty_cache()
+    limit = torch.cuda.memory_allocated() + int(0.75 * unchecked)
+    torch.cuda.set_per_process_memory_fraction(limit / total)
+    try:
+        with pytest.raises(torch.OutOfMemoryError):  # the limit bites
+            model(x).sum().backward()
+        for q in model.parameters():
+            q.grad = None
+        torch.cuda.empty_cache()
+        p = remat.auto_checkpoint(model, x, budget="50%", optimizer=opt, timer="flops", quiet=True)
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(2):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+        assert torch.cuda.max_memory_allocated() <= p.budget_bytes
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
