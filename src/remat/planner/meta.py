@@ -22,6 +22,15 @@ What a meta run cannot know, and how it is handled:
   is first made the additive one torch makes (the fused kernels save it, in the query's
   dtype); grouped-query attention (``enable_gqa``) takes torch's choice on CPU (flash, which
   saves the unexpanded keys and values), the math path on CUDA.
+* **Kernels' dtypes.** CPU's layer norm and batch norm keep their saved statistics in the
+  input's (the weight's) dtype, the meta kernels in float32 as CUDA's do:
+  :class:`CpuStatistics` gives them CPU's dtype for a CPU target.
+* **Values a library reads.** transformers looks for sequences packed into one row in the
+  position ids it makes (``arange``): :func:`one_sequence_a_row` answers "none" for meta
+  ones (where the caller passes no ``position_ids`` of its own). torch's fused optimizers
+  check their parameters' device before kernels that run on meta: :func:`fused_on_meta`.
+* **Hooks.** The twin runs the model's own hook objects (shared, not copied: their owners,
+  a Trainer's callback or a meter, are not the model's to copy).
 * **Scratch inside operators** (oneDNN's, cuBLAS workspaces) shows only on a real
   device: a profile from shapes counts none (``Profile.from_shapes`` and the plan's table
   say so); :func:`remat.auto_checkpoint` measures it in one real step under the plan.
