@@ -38,6 +38,7 @@ PLANNER_LAYERS = [
     "probes",
     "measure",
     "shapefit",
+    "shaped",
     "shapes",
     "auto",
     "__init__",
