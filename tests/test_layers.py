@@ -30,6 +30,7 @@ PLANNER_LAYERS = [
     "solve",
     "inputs",
     "distributed",
+    "loop",
     "scratch",
     "counting",
     "calibration",

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -43,19 +42,18 @@ from .._modelinfo import (
     candidates,
     check_grad_enabled,
     check_module,
-    counted_device,
     device_of,
-    loss_of,
 )
 from .._offload import moves_to_host
 from .._split import can_split
 from .._tree import tensors_in
 from ..memory import BlockHooks
-from .amp import fresh_region, outside
+from .amp import outside
 from .apply import apply_decision, restore_state, snapshot_state
 from .calibration import make_clock
 from .distributed import active, agree_profile, agree_same
 from .inputs import Inputs, model_inputs
+from .loop import Loop, Step
 from .meta import AsDevice, CpuStatistics, check_no_autocast, is_meta, target_device
 from .probes import (
     CallCount,
@@ -202,6 +200,28 @@ def profile(
         (['0', '1', '2'], 3264)
     """
     args, kwargs = model_inputs(args, kwargs, "remat.profile")
+    loop = Loop(optimizer, set_to_none, loss_fn, check_fn, timer, distributed)
+    return profile_loop(
+        model, Inputs(*args, **kwargs), loop, decisions=decisions, repeats=repeats,
+        threads=threads, device=device, calibration=calibration,
+    )  # fmt: skip
+
+
+def profile_loop(
+    model: nn.Module,
+    inputs: Inputs,
+    loop: Loop,
+    *,
+    decisions: Sequence[str] | None = None,
+    repeats: int = 3,
+    threads: int | None = 1,
+    device: str | torch.device | None = None,
+    calibration: str | None = None,
+) -> Profile:
+    """:func:`profile` of ``model`` at ``inputs`` for the training ``loop`` (the other
+    arguments as :func:`profile` takes them)."""
+    args, kwargs = inputs.args, inputs.kwargs
+    timer = loop.timer
     check_module(model, "remat.profile")
     check_grad_enabled("remat.profile")
     if timer not in TIMERS:
@@ -210,7 +230,7 @@ def profile(
         )
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"remat.profile: repeats must be an int >= 1, got {repeats!r}.")
-    check_step_options("remat.profile", optimizer, set_to_none)
+    check_step_options("remat.profile", loop.optimizer, loop.set_to_none)
     shaped = is_meta(model, (args, kwargs))
     if shaped:
         target = target_device(device, "remat.profile")
@@ -227,16 +247,16 @@ def profile(
             "it will train on); this model's tensors are on "
             f"{device_of(model, (args, kwargs))}: leave device out."
         )
-    names = candidates(model, check_fn)
+    names = candidates(model, loop.check_fn)
     blocks = {n: model.get_submodule(n) for n in names}
     chosen = _decisions(model, args, kwargs, blocks, decisions, shaped)
-    agree = active(distributed)
+    agree = active(loop.distributed)
     if agree:  # before any step: ranks that would run different steps would hang
         agree_same((names, [str(d) for d in chosen], repeats, timer), "the blocks, decisions and steps")
     try:
         with _shapes_only(target if shaped else None):
-            prof = _profile(model, args, kwargs, optimizer, set_to_none, loss_fn, blocks, chosen,
-                            timer, repeats, threads, calibration, target if shaped else None)  # fmt: skip
+            prof = _profile(model, inputs, loop, blocks, chosen, repeats, threads, calibration,
+                            target if shaped else None)  # fmt: skip
     except (RuntimeError, NotImplementedError) as e:
         if not shaped:
             raise
@@ -263,21 +283,19 @@ def _shapes_only(target: torch.device | None) -> Iterator[None]:
 
 def _profile(
     model: nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    optimizer: torch.optim.Optimizer | None,
-    set_to_none: bool,
-    loss_fn: Callable[[Any], torch.Tensor] | None,
+    inputs: Inputs,
+    loop: Loop,
     blocks: dict[str, nn.Module],
     chosen: list[Decision],
-    timer: str,
     repeats: int,
     threads: int | None,
     calibration: str | None,
     target: torch.device | None,
 ) -> Profile:
     """The steps of :func:`profile` and its record (``target``: from shapes, for it)."""
-    step = _Step(model, args, kwargs, optimizer, set_to_none, loss_fn, threads, target)
+    args, kwargs = inputs.args, inputs.kwargs
+    timer = loop.timer
+    step = _ProfileStep(model, inputs, loop, threads=threads, target=target)
     wrapping = snapshot_state(blocks)
     try:
         m, opt_terms, scratch, calls, kept = _measure(
@@ -305,8 +323,8 @@ def _profile(
         step_cost=step.keep_cost if timer != "flops" else 3.0 * sum(m.costs[RECOMPUTE].values()),
         static_bytes=static_bytes(model, (args, kwargs), step.counted),
         grad_bytes=step.grad_bytes,
-        grads_kept=not set_to_none,
-        optimizer=None if optimizer is None else type(optimizer).__name__,
+        grads_kept=not loop.set_to_none,
+        optimizer=None if loop.optimizer is None else type(loop.optimizer).__name__,
         optimizer_state_bytes=opt_state,
         optimizer_first_bytes=first,
         optimizer_later_bytes=later,
@@ -343,12 +361,7 @@ def located(prof: Profile, scratch: dict[str, int] | None) -> Profile:
 
 
 def plan_scratch(
-    model: nn.Module,
-    inputs: Inputs,
-    names: Sequence[str],
-    optimizer: torch.optim.Optimizer | None,
-    set_to_none: bool,
-    loss_fn: Callable[[Any], torch.Tensor] | None,
+    model: nn.Module, inputs: Inputs, names: Sequence[str], loop: Loop
 ) -> dict[str, int] | None:
     """The scratch inside operators of each window of one real step of ``model`` as it is
     (a plan applied: the step holds what the plan's peak does, not the unchecked step's),
@@ -356,8 +369,7 @@ def plan_scratch(
 
     A recomputed block's forward runs in its backward window and is counted there, so
     the window's scratch bounds what any decision of the block runs there."""
-    args, kwargs = inputs.args, inputs.kwargs
-    step = _Step(model, args, kwargs, optimizer, set_to_none, loss_fn, None)
+    step = Step(model, inputs, loop)
     modules = [model.get_submodule(n) for n in names]
     try:
         step.clear_grads()
@@ -413,73 +425,26 @@ def _decisions(
     return out
 
 
-class _Step:
-    """One training step of the default loop on the example inputs, run again and again:
-    forward, loss, backward (with ``out`` and ``loss`` alive until its end), from the same
-    RNG state; what the steps change is recorded in ``state`` and put back by the caller."""
+class _ProfileStep(Step):
+    """:class:`~.loop.Step` with what the profile's steps record on the way."""
 
     def __init__(
         self,
         model: nn.Module,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        optimizer: torch.optim.Optimizer | None,
-        set_to_none: bool,
-        loss_fn: Callable[[Any], torch.Tensor] | None,
+        inputs: Inputs,
+        loop: Loop,
+        *,
         threads: int | None,
-        target: torch.device | None = None,
+        target: torch.device | None,
     ) -> None:
-        self.model, self.args, self.kwargs = model, args, kwargs
-        self.optimizer, self.set_to_none, self.loss_fn = optimizer, set_to_none, loss_fn
-        self.threads = threads
-        self.device = device_of(model, args)
-        #: from shapes: the device the meta tensors stand for (None: measured on it)
-        self.target = target
-        # from shapes for CPU, everything counts (the optimizer's CPU step counters too)
-        real = target if target is not None else self.device
-        self.counted = counted_device(real) if target is None or real.type == "cpu" else self.device
-        self.inputs: list[torch.Tensor] = []
-        tensors_in((args, kwargs), self.inputs)
-        leaves = [t for t in self.inputs if t.is_leaf and t.requires_grad]
-        self.state = StepState(model, leaves, optimizer, self.device, self.inputs)
-        cpu_one = self.device.type == "cpu" and threads == 1
-        self.now = time.thread_time if cpu_one else time.perf_counter
-        self.costs: list[float] = []  # each step's time
+        super().__init__(model, inputs, loop, threads=threads, target=target)
         self.keep_cost = 0.0  # the median step time with every block kept
         self.grad_bytes = 0
         self.shared = 0
 
-    def clear_grads(self) -> None:
-        if self.set_to_none:
-            for t in self.state.leaves:
-                t.grad = None
-        else:
-            for t in self.state.leaves:
-                if t.grad is not None:
-                    t.grad.detach_().zero_()
-
-    def __call__(self, timeline: TimelineProbe | None = None) -> None:
-        start = self.now()
-        self.state.reset_rng()
-        fresh_region()  # in the caller's autocast region: one iteration of the AMP recipe
-        out = self.model(*self.args, **self.kwargs)
-        loss = loss_of(out, self.loss_fn)
-        with outside():
-            loss.backward()
-        if timeline is not None:  # `out` and `loss` are alive here, as in the user's loop
-            timeline.finish()
-        del out, loss
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.costs.append(self.now() - start)
-
-    def timed(self) -> None:
-        self.clear_grads()
-        self()
-
 
 def _measure(
-    step: _Step,
+    step: _ProfileStep,
     blocks: dict[str, nn.Module],
     decisions: list[Decision],
     timer: str,
@@ -551,8 +516,8 @@ def _measure(
             if d is KEEP:
                 freed, step.shared = frees.freed, frees.shared
                 shared_inputs = frees.shared_inputs
-        if d is KEEP and step.optimizer is not None:  # on this step's gradients
-            opt_terms = _optimizer_terms(step.state, step.optimizer, step.counted)
+        if d is KEEP and step.loop.optimizer is not None:  # on this step's gradients
+            opt_terms = _optimizer_terms(step.state, step.loop.optimizer, step.counted)
         if clock is not None:
             step.costs.clear()
             step.clear_grads()
@@ -573,7 +538,7 @@ def _measure(
     if timer == "flops":
         # "recompute" as well: a whole step's FLOPs are three times the blocks' forwards
         measured = list(dict.fromkeys([*decisions, RECOMPUTE]))
-        flops = flop_costs(model, blocks, step.args, step.kwargs, step.loss_fn, measured)
+        flops = flop_costs(model, blocks, step.args, step.kwargs, step.loop.loss_fn, measured)
         times = {Decision(d): v for d, v in flops.items()}
         noise = {d: dict.fromkeys(names, 0.0) for d in decisions}
     m = Measurements(
@@ -615,7 +580,7 @@ def _offloaded(names: list[str], lines: dict[Decision, Timeline]) -> dict[str, i
 
 
 def _memory_step(
-    step: _Step,
+    step: _ProfileStep,
     modules: list[nn.Module],
     storages: list[torch.UntypedStorage],
     frees: bool,
@@ -627,11 +592,11 @@ def _memory_step(
     try:
         with memory.track(step.counted) as tracker:
             tracker.watch(storages)
-            params = step.state.grad_params if step.set_to_none else []
+            params = step.state.grad_params if step.loop.set_to_none else []
             timeline = TimelineProbe(tracker, len(modules), params, step.counted)
             try:
                 with BlockHooks(modules, timeline):
-                    step(timeline)
+                    step(timeline.finish)
             finally:
                 timeline.remove()
     finally:
