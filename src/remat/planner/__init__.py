@@ -24,7 +24,7 @@ Data flows one way, each module importing only those before it::
 * :mod:`.apply`: decisions and spans put on modules.
 * :mod:`.probes`: the recording hooks (named classes) the profile's steps run with;
   :mod:`.measure`: :func:`profile`, a short pipeline of those steps that records raw
-  :class:`~.types.Measurements`.
+  :class:`~.types.Measurements`, from which :func:`.stepmodel.profile_data` reads the profile.
 * :mod:`.shapefit`: the step model as a function of a varying size (profiles at a few
   sizes, every byte term fitted exactly, checked between them); :mod:`.shapes`:
   :class:`Shapes` (``auto_checkpoint(shapes=...)``) and :class:`ShapePlans`, the plan for

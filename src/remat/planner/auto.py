@@ -37,7 +37,7 @@ from .state import (
     optimizer_tensors,
     static_bytes,
 )
-from .stepmodel import budget_of
+from .stepmodel import budget_of, located
 
 log = logging.getLogger("remat")
 
@@ -410,7 +410,7 @@ def auto_checkpoint(
             if not scratch_known:  # one more step of the planned model, under the profiler
                 say("measuring the scratch inside operators under the plan")
                 names = [b.name for b in prof.blocks]
-                prof = measure.located(prof, measure.plan_scratch(model, inputs, names, loop))
+                prof = located(prof, measure.plan_scratch(model, inputs, names, loop))
                 scratch_known = True
                 moved = budget_of(prof, budget) - target  # a share's scratch is now known
                 if agree:
@@ -509,7 +509,7 @@ def _auto_shapes(
     try:
         for attempt in range(4):
             peaks = {}
-            located = bool(unknown)
+            scratched = bool(unknown)
             for n in plans.fit.sizes:
                 a, k = shapes.cut(args, plans.largest, n)
                 at = Inputs(*a, **k)
@@ -521,11 +521,11 @@ def _auto_shapes(
                 if n in unknown:  # the hook applied the plan at n: the scratch where it is
                     say(f"measuring the scratch inside operators under the plan at size {n}")
                     scratch = measure.plan_scratch(model, at, names, loop)
-                    plans.fit.add_scratch(n, measure.located(plans.fit.profiles[n], scratch))
+                    plans.fit.add_scratch(n, located(plans.fit.profiles[n], scratch))
                     unknown.discard(n)
                 if agree:
                     (peaks[n],) = agree_max([peaks[n]])
-            if located:  # a share's scratch is known now: the budget and the plans move
+            if scratched:  # a share's scratch is known now: the budget and the plans move
                 before = {n: _choice(plans.plan_for(n)) for n in plans.fit.sizes}
                 moved = budget_of(plans.fit.profiles[plans.largest], budget) - target
                 target += moved

@@ -22,14 +22,14 @@ A few instrumented training steps of the default loop (see
    first creates the state), after which the parameters, the optimizer's state and
    hyper-parameters are put back.
 
-It records raw :class:`~remat.planner.types.Measurements`; every term of the step model
-is derived from them by :func:`remat.planner.stepmodel.derive_blocks`.
+It records one raw :class:`~remat.planner.types.Measurements`, nothing derived; every term
+of the profile (the blocks', the head's ``pre``, ``top`` and ``post``, the step's cost, where
+the scratch is) is read from it by :func:`remat.planner.stepmodel.profile_data`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -73,7 +73,7 @@ from .state import (
     optimizer_tensors,
     static_bytes,
 )
-from .stepmodel import HELD_LINES, derive_blocks
+from .stepmodel import HELD_LINES, profile_data
 from .timing import flop_costs, modelled_costs, time_blocks
 from .types import Decision, Measurements, Timeline
 
@@ -293,71 +293,15 @@ def _profile(
     target: torch.device | None,
 ) -> Profile:
     """The steps of :func:`profile` and its record (``target``: from shapes, for it)."""
-    args, kwargs = inputs.args, inputs.kwargs
-    timer = loop.timer
-    step = _ProfileStep(model, inputs, loop, threads=threads, target=target)
+    step = Step(model, inputs, loop, threads=threads, target=target)
     wrapping = snapshot_state(blocks)
     try:
-        m, opt_terms, scratch, calls, kept = _measure(
-            step, blocks, chosen, timer, repeats, calibration
-        )
+        m = _measure(step, blocks, chosen, repeats, calibration)
     finally:
         restore_state(blocks, wrapping)
         step.state.restore()
         reshard(model)  # the step's start: FSDP2's parameters sharded
-    keep_line = m.lines[KEEP]
-    first, later, opt_state = opt_terms
-    shapes: list[torch.Tensor] = []
-    tensors_in((args, kwargs), shapes)
-    costs = derive_blocks(m)
-    prof = Profile(
-        blocks=costs,
-        top=keep_line.top_peak,
-        pre=keep_line.pre_peak,
-        decisions=list(chosen),
-        cost_unit="flop" if timer == "flops" else "s",
-        input_shapes=[list(t.shape) for t in shapes],
-        device=str(target if target is not None else step.device),
-        from_shapes=target is not None,
-        torch_version=torch.__version__,
-        step_cost=step.keep_cost if timer != "flops" else 3.0 * sum(m.costs[RECOMPUTE].values()),
-        static_bytes=static_bytes(model, (args, kwargs), step.counted),
-        grad_bytes=step.grad_bytes,
-        grads_kept=not loop.set_to_none,
-        optimizer=None if loop.optimizer is None else type(loop.optimizer).__name__,
-        optimizer_state_bytes=opt_state,
-        optimizer_first_bytes=first,
-        optimizer_later_bytes=later,
-        end_bytes=keep_line.end_bytes,
-        end_grads=keep_line.end_grads,
-        top_grads=keep_line.top_grads,
-        chained=calls.chained,
-        kept_outputs=kept,
-        shared_bytes=step.shared,
-        shared_inputs=dict(m.shared_inputs),
-        # the same whatever the plan (every block's backward is done): the largest seen
-        post=max((t.post_peak or 0 for t in m.lines.values()), default=0),
-    )
-    return located(prof, scratch)
-
-
-def located(prof: Profile, scratch: dict[str, int] | None) -> Profile:
-    """``prof`` with the scratch inside operators of each window of the step
-    (:func:`~remat.planner.scratch.window_scratch`'s record; ``None``: not measured, none)."""
-    where = scratch or {}
-    blocks = [
-        dataclasses.replace(b, fwd_scratch=where.get(f"fwd:{i}", 0), bwd_scratch=where.get(f"bwd:{i}", 0))
-        for i, b in enumerate(prof.blocks)
-    ]  # fmt: skip
-    return dataclasses.replace(
-        prof,
-        blocks=blocks,
-        scratch_bytes=max(where.values(), default=0),
-        scratch_located=scratch is not None,
-        pre_scratch=where.get("pre", 0),
-        top_scratch=where.get("top", 0),
-        post_scratch=where.get("post", 0),
-    )
+    return profile_data(m, Profile)
 
 
 def plan_scratch(
@@ -425,36 +369,16 @@ def _decisions(
     return out
 
 
-class _ProfileStep(Step):
-    """:class:`~.loop.Step` with what the profile's steps record on the way."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        inputs: Inputs,
-        loop: Loop,
-        *,
-        threads: int | None,
-        target: torch.device | None,
-    ) -> None:
-        super().__init__(model, inputs, loop, threads=threads, target=target)
-        self.keep_cost = 0.0  # the median step time with every block kept
-        self.grad_bytes = 0
-        self.shared = 0
-
-
 def _measure(
-    step: _ProfileStep,
+    step: Step,
     blocks: dict[str, nn.Module],
     decisions: list[Decision],
-    timer: str,
     repeats: int,
     calibration: str | None = None,
-) -> tuple[
-    Measurements, tuple[int, int, int], dict[str, int] | None, CallCount, list[bool]
-]:
-    """Steps 1-5 of the module docstring."""
+) -> Measurements:
+    """Steps 1-5 of the module docstring: their raw record."""
     model, names, modules = step.model, list(blocks), list(blocks.values())
+    timer, optimizer = step.loop.timer, step.loop.optimizer
     n = len(names)
     calls = CallCount(names)
     with BlockHooks(modules, calls):
@@ -487,7 +411,7 @@ def _measure(
         with BlockHooks(modules, WindowMarks(n)):
             scratch = window_scratch(step, step.device)
     storages = unsharded_storages(model)
-    step.grad_bytes = grad_bytes(step.state.grad_params, step.counted)
+    grads = grad_bytes(step.state.grad_params, step.counted)
     splittable = {nm for nm, mod in blocks.items() if can_split(mod)}
     lines: dict[Decision, Timeline] = {}
     times: dict[Decision, dict[str, float]] = {}
@@ -497,6 +421,7 @@ def _measure(
     head_freed: dict[Decision, int] = {}
     shared_inputs: dict[str, int] = {}
     opt_terms = (0, 0, 0)
+    shared, keep_cost = 0, 0.0
     clock = make_clock(step.device, step.threads) if timer == "measured" else None
     for d in decisions:
         for nm, mod in blocks.items():  # a block that cannot split is recomputed meanwhile
@@ -514,10 +439,10 @@ def _measure(
         if frees is not None and d in HELD_LINES:
             held[d] = frees.held_to_end
             if d is KEEP:
-                freed, step.shared = frees.freed, frees.shared
+                freed, shared = frees.freed, frees.shared
                 shared_inputs = frees.shared_inputs
-        if d is KEEP and step.loop.optimizer is not None:  # on this step's gradients
-            opt_terms = _optimizer_terms(step.state, step.loop.optimizer, step.counted)
+        if d is KEEP and optimizer is not None:  # on this step's gradients
+            opt_terms = _optimizer_terms(step.state, optimizer, step.counted)
         if clock is not None:
             step.costs.clear()
             step.clear_grads()
@@ -525,11 +450,11 @@ def _measure(
                 blocks, step.timed, step.device, repeats, clock, step.threads
             )
             if d is KEEP:
-                step.keep_cost = float(sorted(step.costs)[len(step.costs) // 2])
+                keep_cost = float(sorted(step.costs)[len(step.costs) // 2])
     if timer == "time":
         moved = _offloaded(names, lines) if OFFLOAD in lines else None
         priced = step.target if step.target is not None else step.device
-        modelled, step.keep_cost = modelled_costs(
+        modelled, keep_cost = modelled_costs(
             model, blocks, step.args, step.kwargs, decisions, priced, step.threads, moved,
             calibration,
         )
@@ -541,7 +466,7 @@ def _measure(
         flops = flop_costs(model, blocks, step.args, step.kwargs, step.loop.loss_fn, measured)
         times = {Decision(d): v for d, v in flops.items()}
         noise = {d: dict.fromkeys(names, 0.0) for d in decisions}
-    m = Measurements(
+    return Measurements(
         names=names,
         decisions=list(decisions),
         lines=lines,
@@ -562,8 +487,24 @@ def _measure(
         splittable=splittable,
         shared_inputs=shared_inputs,
         head_freed=head_freed,
+        timer=timer,
+        keep_cost=keep_cost,
+        grad_bytes=grads,
+        shared_bytes=shared,
+        optimizer=None if optimizer is None else type(optimizer).__name__,
+        optimizer_first_bytes=opt_terms[0],
+        optimizer_later_bytes=opt_terms[1],
+        optimizer_state_bytes=opt_terms[2],
+        static_bytes=static_bytes(model, (step.args, step.kwargs), step.counted),
+        grads_kept=not step.loop.set_to_none,
+        input_shapes=[list(t.shape) for t in step.inputs],
+        device=str(step.target if step.target is not None else step.device),
+        from_shapes=step.target is not None,
+        torch_version=torch.__version__,
+        chained=calls.chained,
+        kept_outputs=kept,
+        scratch=scratch,
     )
-    return m, opt_terms, scratch, calls, kept
 
 
 def _offloaded(names: list[str], lines: dict[Decision, Timeline]) -> dict[str, int]:
@@ -580,7 +521,7 @@ def _offloaded(names: list[str], lines: dict[Decision, Timeline]) -> dict[str, i
 
 
 def _memory_step(
-    step: _ProfileStep,
+    step: Step,
     modules: list[nn.Module],
     storages: list[torch.UntypedStorage],
     frees: bool,
