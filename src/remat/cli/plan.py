@@ -43,6 +43,7 @@ from ..planner import advice
 from ..planner.calibration import named as named_calibration
 from ..planner.calibration import saved_names
 from ..planner.inputs import Inputs
+from ..planner.loop import Loop
 from ..planner.measure import profile
 from ..planner.meta import is_meta, one_sequence_a_row
 from ..planner.render import fmt_bytes as _fmt
@@ -397,11 +398,8 @@ def main(args: argparse.Namespace) -> int:
 def _plan_shapes(args: argparse.Namespace, model: Any, example: Any, opt: Any, region: Any) -> int:
     """``--shapes``: the plans at every profiled size (the example is the largest batch)."""
     try:
-        plans = shape_plans(
-            model, Inputs(*example), args.shapes, args.budget, optimizer=opt,
-            set_to_none=not args.keep_grads, loss_fn=None, check_fn=None, timer=args.timer,
-            distributed=None,
-        )  # fmt: skip
+        loop = Loop(optimizer=opt, set_to_none=not args.keep_grads, timer=args.timer)
+        plans = shape_plans(model, Inputs(*example), args.shapes, args.budget, loop)
         chosen = {n: plans.plan_for(n) for n in plans.fit.knots}
     except PlanError as e:
         raise UsageError(str(e)) from None

@@ -32,6 +32,7 @@ How the Trainer (transformers 5) runs a step, and where the callback acts:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +40,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ..planner.loop import Loop
 from ._extras import require
 from ._hf_layers import auto_checkpoint, guard_cache, layer_names
 from ._session import PlannedTraining, torch_optimizer
@@ -113,9 +115,7 @@ class RematCallback(TrainerCallback):  # type: ignore[misc]
     ) -> None:
         self.session = PlannedTraining(
             budget,
-            loss_fn=loss_fn,
-            check_fn=check_fn,
-            timer=timer,
+            loop=Loop(loss_fn=loss_fn, check_fn=check_fn, timer=timer),
             measure=measure,
             where="remat.integrations.hf.RematCallback",
         )
@@ -134,17 +134,8 @@ class RematCallback(TrainerCallback):  # type: ignore[misc]
 
     def _plan(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         s = self.session
-        plan = auto_checkpoint(
-            model,
-            *args,
-            budget=s.budget,
-            optimizer=self._optimizer,
-            set_to_none=self._set_to_none,
-            loss_fn=s.loss_fn,
-            check_fn=s.check_fn,
-            timer=s.timer,
-            **kwargs,
-        )
+        loop = dataclasses.replace(s.loop, optimizer=self._optimizer, set_to_none=self._set_to_none)
+        plan = auto_checkpoint(model, *args, budget=s.budget, **loop.keywords(), **kwargs)
         s.planned(plan)
 
     def _end(self) -> None:
@@ -165,7 +156,7 @@ class RematCallback(TrainerCallback):  # type: ignore[misc]
         self._optimizer = torch_optimizer(kwargs.get("optimizer"))
         self._set_to_none = int(args.gradient_accumulation_steps) == 1
         if self.plan is None:
-            guard_cache(model, layer_names(model, self.session.check_fn))
+            guard_cache(model, layer_names(model, self.session.loop.check_fn))
         self._hook = model.register_forward_pre_hook(_OnForward(self), with_kwargs=True)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

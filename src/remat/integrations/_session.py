@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
+from ..planner.loop import Loop
 from .actual import PeakCheck, PeakMeter
 
 log = logging.getLogger("remat")
@@ -51,17 +50,15 @@ class PlannedTraining:
         self,
         budget: int | float | str,
         *,
-        loss_fn: Callable[[Any], torch.Tensor] | None,
-        check_fn: Callable[[str, nn.Module], bool] | None,
-        timer: str,
+        loop: Loop,
         measure: bool,
         where: str,
     ) -> None:
         check_budget(budget, where)
         self.budget = budget
-        self.loss_fn = loss_fn
-        self.check_fn = check_fn
-        self.timer = timer
+        #: the loop's options known before training (loss, candidate blocks, timer); each
+        #: callback adds the trainer's optimizer and how it clears gradients
+        self.loop = loop
         self.measure = measure
         self.where = where
         self.plan: Any = None

@@ -36,6 +36,7 @@ The extra ``remat[lightning]`` installs ``lightning`` (``import lightning``); th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -44,6 +45,7 @@ import torch
 from torch import nn
 
 from .. import auto_checkpoint
+from ..planner.loop import Loop
 from ._extras import require
 from ._session import PlannedTraining, torch_optimizer
 
@@ -133,9 +135,7 @@ class RematCallback(Callback):  # type: ignore[misc]
         super().__init__()
         self.session = PlannedTraining(
             budget,
-            loss_fn=loss_fn,
-            check_fn=check_fn,
-            timer=timer,
+            loop=Loop(loss_fn=loss_fn, check_fn=check_fn, timer=timer),
             measure=measure,
             where="remat.integrations.lightning.RematCallback",
         )
@@ -158,7 +158,7 @@ class RematCallback(Callback):  # type: ignore[misc]
             )
         optimizers = list(getattr(trainer, "optimizers", []) or [])
         optimizer = torch_optimizer(optimizers[0]) if optimizers else None
-        check = s.check_fn
+        check = s.loop.check_fn
         wanted = None
         if check is not None:
 
@@ -167,17 +167,10 @@ class RematCallback(Callback):  # type: ignore[misc]
 
         step = _TrainingStep(module)
         with _silenced(module), trainer.precision_plugin.train_step_context():
-            plan = auto_checkpoint(
-                step,
-                batch,
-                batch_idx,
-                budget=s.budget,
-                optimizer=optimizer,
-                set_to_none=False,
-                loss_fn=s.loss_fn,
-                check_fn=wanted,
-                timer=s.timer,
+            loop = dataclasses.replace(
+                s.loop, optimizer=optimizer, set_to_none=False, check_fn=wanted
             )
+            plan = auto_checkpoint(step, batch, batch_idx, budget=s.budget, **loop.keywords())
         s.planned(plan)
 
     def on_train_batch_start(

@@ -24,15 +24,16 @@ Data flows one way, each module importing only those before it::
 * :mod:`.apply`: decisions and spans put on modules.
 * :mod:`.probes`: the recording hooks (named classes) the profile's steps run with;
   :mod:`.measure`: :func:`profile`, a short pipeline of those steps that records raw
-  :class:`~.types.Measurements`.
+  :class:`~.types.Measurements`, from which :func:`.stepmodel.profile_data` reads the profile.
 * :mod:`.shapefit`: the step model as a function of a varying size (profiles at a few
   sizes, every byte term fitted exactly, checked between them); :mod:`.shapes`:
   :class:`Shapes` (``auto_checkpoint(shapes=...)``) and :class:`ShapePlans`, the plan for
   each batch's size switched in before its forward.
 * :mod:`.auto`: :func:`auto_checkpoint` and :func:`measure_peak`; :mod:`.inputs`: the
   model's inputs apart from the options (:class:`Inputs`).
-* Beside them: :mod:`.state` (what a step changes, put back; the bytes a step starts
-  with), :mod:`.counting` (each operator a block runs: FLOPs, bytes moved, whether the
+* Beside them: :mod:`.loop` (the training loop's options as one :class:`~.loop.Loop`,
+  and the one step runner), :mod:`.state` (what a step changes, put back; the bytes a step
+  starts with), :mod:`.counting` (each operator a block runs: FLOPs, bytes moved, whether the
   selective cache saves it), :mod:`.calibration` (per-device constants that price counted
   work, timed once and cached), :mod:`.timing` (what each decision costs: modelled seconds,
   measured seconds or FLOPs), :mod:`.scratch` (scratch inside operators),

@@ -16,16 +16,14 @@ from .._modelinfo import (
     candidates,
     check_grad_enabled,
     check_module,
-    counted_device,
     device_of,
-    loss_of,
 )
 from .._tree import tensors_in
 from . import advice, measure
-from .amp import fresh_region, outside
 from .apply import restore_state, snapshot_state
 from .distributed import active, agree_max, agree_min, agree_profile, agree_same
 from .inputs import Inputs, model_inputs
+from .loop import Loop, Step
 from .meta import is_meta
 from .progress import Progress
 from .render import fmt_bytes
@@ -34,13 +32,12 @@ from .shapes import ShapePlans, Shapes, shape_plans
 from .sharded import unsharded_storages
 from .solve import Plan, Profile, plan
 from .state import (
-    StepState,
     check_step_options,
     grad_bytes,
     optimizer_tensors,
     static_bytes,
 )
-from .stepmodel import budget_of
+from .stepmodel import budget_of, located
 
 log = logging.getLogger("remat")
 
@@ -69,46 +66,32 @@ def step_peaks(
     check_module(model, "remat.measure_peak")
     check_grad_enabled("remat.measure_peak")
     check_step_options("remat.measure_peak", optimizer, set_to_none)
-    device = device_of(model, (args, kwargs))
-    counted = counted_device(device)
-    inputs: list[torch.Tensor] = []
-    tensors_in((args, kwargs), inputs)
-    state = StepState(
-        model, [t for t in inputs if t.is_leaf and t.requires_grad], optimizer, device, inputs
-    )
+    loop = Loop(optimizer=optimizer, set_to_none=set_to_none, loss_fn=loss_fn)
+    return loop_peaks(model, Inputs(*args, **kwargs), loop, steps)
+
+
+def loop_peaks(model: nn.Module, inputs: Inputs, loop: Loop, steps: int) -> list[int]:
+    """:func:`step_peaks` of the training ``loop`` (its options checked)."""
+    step = Step(model, inputs, loop, where="remat.measure_peak")
+    state, optimizer, counted = step.state, loop.optimizer, step.counted
     peaks = []
     try:
         state.fresh_optimizer_state()
         storages = unsharded_storages(model)  # FSDP2: every rank (a collective)
-        if not set_to_none:  # the gradients exist before the step, as in the user's loop
-            state.reset_rng()
-            fresh_region()
-            loss = loss_of(model(*args, **kwargs), loss_fn, "remat.measure_peak")
-            with outside():
-                loss.backward()
-            del loss
+        if not loop.set_to_none:  # the gradients exist before the step, as in the user's loop
+            step.begin()
+            step.run()
         for _ in range(steps):
-            for t in state.leaves:
-                if set_to_none:
-                    t.grad = None
-                elif t.grad is not None:
-                    t.grad.detach_().zero_()
+            step.clear_grads()
             base = (
-                static_bytes(model, (args, kwargs), counted)
+                static_bytes(model, (inputs.args, inputs.kwargs), counted)
                 + grad_bytes(state.grad_params, counted)
                 + storage_bytes(optimizer_tensors(optimizer), counted)
             )
-            state.reset_rng()
-            fresh_region()  # in the caller's autocast region: one iteration of the AMP recipe
+            step.begin()
             with memory.track(counted) as tracker:
                 tracker.watch(storages)
-                out = model(*args, **kwargs)
-                loss = loss_of(out, loss_fn, "remat.measure_peak")
-                with outside():
-                    loss.backward()
-                    if optimizer is not None:
-                        optimizer.step()
-                del out, loss
+                step.run(optimizer_step=True)
             peaks.append(base + tracker.peak_bytes)
     finally:
         state.restore()
@@ -153,7 +136,6 @@ def measure_peak(
         >>> remat.measure_peak(model, x) >= 4 * (8 * 8 + 8) + 4 * 4 * 8   # parameters, input
         True
     """
-    steps = 2 if optimizer is not None else 1
     args, kwargs = model_inputs(args, kwargs, "remat.measure_peak")
     return max(
         step_peaks(
@@ -161,29 +143,35 @@ def measure_peak(
             Inputs(*args, **kwargs),
             optimizer=optimizer,
             set_to_none=set_to_none,
-            steps=steps,
+            steps=2 if optimizer is not None else 1,
             loss_fn=loss_fn,
         )
+    )
+
+
+def _peak(model: nn.Module, inputs: Inputs, loop: Loop) -> int:
+    """:func:`measure_peak` of the training ``loop`` (looked up when called: a test may
+    replace it)."""
+    return measure_peak(
+        model, inputs, optimizer=loop.optimizer, set_to_none=loop.set_to_none, loss_fn=loop.loss_fn
     )
 
 
 def check_profile_matches(
     prof: Profile,
     model: nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    optimizer: torch.optim.Optimizer | None,
-    set_to_none: bool,
-    check_fn: Callable[[str, nn.Module], bool] | None,
+    inputs: Inputs,
+    loop: Loop,
 ) -> None:
-    """Raise ``ValueError`` unless ``prof`` was measured for this model and step.
+    """Raise ``ValueError`` unless ``prof`` was measured for this model, inputs and ``loop``.
 
     Example:
         >>> import torch, remat
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
         >>> prof = remat.profile(model, torch.randn(2, 4), timer="flops")
-        >>> check_profile_matches(prof, model, (torch.randn(2, 4),), {}, None, True, None)
-        >>> check_profile_matches(prof, model, (torch.randn(3, 4),), {}, None, True, None)
+        >>> from remat.planner.loop import Loop
+        >>> check_profile_matches(prof, model, remat.Inputs(torch.randn(2, 4)), Loop())
+        >>> check_profile_matches(prof, model, remat.Inputs(torch.randn(3, 4)), Loop())
         Traceback (most recent call last):
         ...
         ValueError: remat.auto_checkpoint: profile= was measured for inputs of shapes [[2, 4]], not [[3, 4]]; profile this model with these inputs (or pass profile=None).
@@ -193,13 +181,14 @@ def check_profile_matches(
             f"remat.auto_checkpoint: profile= must be a remat.Profile (from remat.profile), "
             f"got {type(prof).__name__}."
         )
+    optimizer, set_to_none = loop.optimizer, loop.set_to_none
     names = [b.name for b in prof.blocks]
-    want = list(candidates(model, check_fn))
+    want = list(candidates(model, loop.check_fn))
     problems = []
     if names != want:
         problems.append(f"blocks {names}, not this model's candidate blocks {want}")
     found: list[torch.Tensor] = []
-    tensors_in((args, kwargs), found)
+    tensors_in((inputs.args, inputs.kwargs), found)
     shapes = [list(t.shape) for t in found]
     if shapes != prof.input_shapes:
         problems.append(f"inputs of shapes {prof.input_shapes}, not {shapes}")
@@ -370,6 +359,7 @@ def auto_checkpoint(
     check_module(model, "remat.auto_checkpoint")
     check_grad_enabled("remat.auto_checkpoint")
     check_step_options("remat.auto_checkpoint", optimizer, set_to_none)  # before any twin
+    loop = Loop(optimizer, set_to_none, loss_fn, check_fn, timer, distributed)
     agree = active(distributed)
     inputs = Inputs(*args, **kwargs)
     if shapes is not None:
@@ -379,10 +369,7 @@ def auto_checkpoint(
                 "shapes=...: leave it out, and call remat.explain(model, batch) on a batch "
                 "after planning to see its warnings."
             )
-        return _auto_shapes(
-            model, inputs, shapes, budget, optimizer, set_to_none, loss_fn, check_fn, timer,
-            quiet, distributed,
-        )  # fmt: skip
+        return _auto_shapes(model, inputs, shapes, budget, loop, quiet)
     check_step_options("remat.auto_checkpoint", optimizer, set_to_none)
     say = Progress("remat.auto_checkpoint", quiet)
     meta = is_meta(model, (args, kwargs))
@@ -392,14 +379,9 @@ def auto_checkpoint(
             f"model's tensors are on {device_of(model, (args, kwargs))}: leave device out."
         )
     if profile is None:
-        source = ProfileSource(
-            model, optimizer=optimizer, set_to_none=set_to_none, loss_fn=loss_fn,
-            check_fn=check_fn, timer=timer, distributed=distributed, agree=agree,
-            device=device, say=say,
-        )  # fmt: skip
-        prof = source(inputs)
+        prof = ProfileSource(model, loop, agree=agree, device=device, say=say)(inputs)
     else:
-        check_profile_matches(profile, model, args, kwargs, optimizer, set_to_none, check_fn)
+        check_profile_matches(profile, model, inputs, loop)
         prof = agree_profile(profile) if agree else profile  # a no-op on an agreed profile
     target = budget_of(prof, budget)
     if agree:
@@ -424,15 +406,11 @@ def auto_checkpoint(
         try:
             chosen.apply(model)
             say(f"checking the plan in real steps (predicted {fmt_bytes(chosen.predicted_peak_bytes)})")
-            measured = measure_peak(
-                model, inputs, optimizer=optimizer, set_to_none=set_to_none, loss_fn=loss_fn
-            )
+            measured = _peak(model, inputs, loop)
             if not scratch_known:  # one more step of the planned model, under the profiler
                 say("measuring the scratch inside operators under the plan")
                 names = [b.name for b in prof.blocks]
-                prof = measure.located(
-                    prof, measure.plan_scratch(model, inputs, names, optimizer, set_to_none, loss_fn)
-                )
+                prof = located(prof, measure.plan_scratch(model, inputs, names, loop))
                 scratch_known = True
                 moved = budget_of(prof, budget) - target  # a share's scratch is now known
                 if agree:
@@ -509,13 +487,8 @@ def _auto_shapes(
     inputs: Inputs,
     shapes: Shapes,
     budget: int | float | str,
-    optimizer: torch.optim.Optimizer | None,
-    set_to_none: bool,
-    loss_fn: Callable[[Any], torch.Tensor] | None,
-    check_fn: Callable[[str, nn.Module], bool] | None,
-    timer: str,
+    loop: Loop,
     quiet: bool,
-    distributed: bool | None,
 ) -> ShapePlans:
     """``auto_checkpoint(shapes=...)``: the plans of :func:`~remat.planner.shapes.shape_plans`,
     installed, with real steps at each profiled size measured through the hook (as one plan's
@@ -525,12 +498,8 @@ def _auto_shapes(
     step of each size's plan (under the profiler), and every size planned again with it, as
     :func:`auto_checkpoint` does for one plan."""
     say = Progress("remat.auto_checkpoint", quiet)
-    plans = shape_plans(
-        model, inputs, shapes, budget, optimizer=optimizer, set_to_none=set_to_none,
-        loss_fn=loss_fn, check_fn=check_fn, timer=timer, distributed=distributed, quiet=quiet,
-        say=say,
-    )  # fmt: skip
-    agree = active(distributed)
+    plans = shape_plans(model, inputs, shapes, budget, loop, quiet=quiet, say=say)
+    agree = active(loop.distributed)
     target = plans.budget_bytes
     args = (inputs.args, inputs.kwargs)
     names = [b.name for b in plans.fit.profiles[plans.largest].blocks]
@@ -540,7 +509,7 @@ def _auto_shapes(
     try:
         for attempt in range(4):
             peaks = {}
-            located = bool(unknown)
+            scratched = bool(unknown)
             for n in plans.fit.sizes:
                 a, k = shapes.cut(args, plans.largest, n)
                 at = Inputs(*a, **k)
@@ -548,17 +517,15 @@ def _auto_shapes(
                     f"checking the plan at size {n} in real steps (predicted "
                     f"{fmt_bytes(plans.plan_for(n).predicted_peak_bytes)})"
                 )
-                peaks[n] = measure_peak(
-                    model, at, optimizer=optimizer, set_to_none=set_to_none, loss_fn=loss_fn
-                )
+                peaks[n] = _peak(model, at, loop)
                 if n in unknown:  # the hook applied the plan at n: the scratch where it is
                     say(f"measuring the scratch inside operators under the plan at size {n}")
-                    scratch = measure.plan_scratch(model, at, names, optimizer, set_to_none, loss_fn)
-                    plans.fit.add_scratch(n, measure.located(plans.fit.profiles[n], scratch))
+                    scratch = measure.plan_scratch(model, at, names, loop)
+                    plans.fit.add_scratch(n, located(plans.fit.profiles[n], scratch))
                     unknown.discard(n)
                 if agree:
                     (peaks[n],) = agree_max([peaks[n]])
-            if located:  # a share's scratch is known now: the budget and the plans move
+            if scratched:  # a share's scratch is known now: the budget and the plans move
                 before = {n: _choice(plans.plan_for(n)) for n in plans.fit.sizes}
                 moved = budget_of(plans.fit.profiles[plans.largest], budget) - target
                 target += moved

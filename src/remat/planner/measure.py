@@ -22,15 +22,14 @@ A few instrumented training steps of the default loop (see
    first creates the state), after which the parameters, the optimizer's state and
    hyper-parameters are put back.
 
-It records raw :class:`~remat.planner.types.Measurements`; every term of the step model
-is derived from them by :func:`remat.planner.stepmodel.derive_blocks`.
+It records one raw :class:`~remat.planner.types.Measurements`, nothing derived; every term
+of the profile (the blocks', the head's ``pre``, ``top`` and ``post``, the step's cost, where
+the scratch is) is read from it by :func:`remat.planner.stepmodel.profile_data`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -43,19 +42,18 @@ from .._modelinfo import (
     candidates,
     check_grad_enabled,
     check_module,
-    counted_device,
     device_of,
-    loss_of,
 )
 from .._offload import moves_to_host
 from .._split import can_split
 from .._tree import tensors_in
 from ..memory import BlockHooks
-from .amp import fresh_region, outside
+from .amp import outside
 from .apply import apply_decision, restore_state, snapshot_state
 from .calibration import make_clock
 from .distributed import active, agree_profile, agree_same
 from .inputs import Inputs, model_inputs
+from .loop import Loop, Step
 from .meta import (
     AsDevice,
     CpuStatistics,
@@ -83,7 +81,7 @@ from .state import (
     optimizer_tensors,
     static_bytes,
 )
-from .stepmodel import HELD_LINES, derive_blocks
+from .stepmodel import HELD_LINES, profile_data
 from .timing import flop_costs, modelled_costs, time_blocks
 from .types import Decision, Measurements, Timeline
 
@@ -210,6 +208,28 @@ def profile(
         (['0', '1', '2'], 3264)
     """
     args, kwargs = model_inputs(args, kwargs, "remat.profile")
+    loop = Loop(optimizer, set_to_none, loss_fn, check_fn, timer, distributed)
+    return profile_loop(
+        model, Inputs(*args, **kwargs), loop, decisions=decisions, repeats=repeats,
+        threads=threads, device=device, calibration=calibration,
+    )  # fmt: skip
+
+
+def profile_loop(
+    model: nn.Module,
+    inputs: Inputs,
+    loop: Loop,
+    *,
+    decisions: Sequence[str] | None = None,
+    repeats: int = 3,
+    threads: int | None = 1,
+    device: str | torch.device | None = None,
+    calibration: str | None = None,
+) -> Profile:
+    """:func:`profile` of ``model`` at ``inputs`` for the training ``loop`` (the other
+    arguments as :func:`profile` takes them)."""
+    args, kwargs = inputs.args, inputs.kwargs
+    timer = loop.timer
     check_module(model, "remat.profile")
     check_grad_enabled("remat.profile")
     if timer not in TIMERS:
@@ -218,7 +238,7 @@ def profile(
         )
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"remat.profile: repeats must be an int >= 1, got {repeats!r}.")
-    check_step_options("remat.profile", optimizer, set_to_none)
+    check_step_options("remat.profile", loop.optimizer, loop.set_to_none)
     shaped = is_meta(model, (args, kwargs))
     if shaped:
         target = target_device(device, "remat.profile")
@@ -235,16 +255,16 @@ def profile(
             "it will train on); this model's tensors are on "
             f"{device_of(model, (args, kwargs))}: leave device out."
         )
-    names = candidates(model, check_fn)
+    names = candidates(model, loop.check_fn)
     blocks = {n: model.get_submodule(n) for n in names}
     chosen = _decisions(model, args, kwargs, blocks, decisions, shaped)
-    agree = active(distributed)
+    agree = active(loop.distributed)
     if agree:  # before any step: ranks that would run different steps would hang
         agree_same((names, [str(d) for d in chosen], repeats, timer), "the blocks, decisions and steps")
     try:
-        with _shapes_only(target if shaped else None, "position_ids" not in kwargs):
-            prof = _profile(model, args, kwargs, optimizer, set_to_none, loss_fn, blocks, chosen,
-                            timer, repeats, threads, calibration, target if shaped else None)  # fmt: skip
+        with _shapes_only(target if shaped else None, "position_ids" not in inputs.kwargs):
+            prof = _profile(model, inputs, loop, blocks, chosen, repeats, threads, calibration,
+                            target if shaped else None)  # fmt: skip
     except (RuntimeError, NotImplementedError) as e:
         if not shaped:
             raise
@@ -273,92 +293,29 @@ def _shapes_only(target: torch.device | None, own_positions: bool) -> Iterator[N
 
 def _profile(
     model: nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    optimizer: torch.optim.Optimizer | None,
-    set_to_none: bool,
-    loss_fn: Callable[[Any], torch.Tensor] | None,
+    inputs: Inputs,
+    loop: Loop,
     blocks: dict[str, nn.Module],
     chosen: list[Decision],
-    timer: str,
     repeats: int,
     threads: int | None,
     calibration: str | None,
     target: torch.device | None,
 ) -> Profile:
     """The steps of :func:`profile` and its record (``target``: from shapes, for it)."""
-    step = _Step(model, args, kwargs, optimizer, set_to_none, loss_fn, threads, target)
+    step = Step(model, inputs, loop, threads=threads, target=target)
     wrapping = snapshot_state(blocks)
     try:
-        m, opt_terms, scratch, calls, kept = _measure(
-            step, blocks, chosen, timer, repeats, calibration
-        )
+        m = _measure(step, blocks, chosen, repeats, calibration)
     finally:
         restore_state(blocks, wrapping)
         step.state.restore()
         reshard(model)  # the step's start: FSDP2's parameters sharded
-    keep_line = m.lines[KEEP]
-    first, later, opt_state = opt_terms
-    shapes: list[torch.Tensor] = []
-    tensors_in((args, kwargs), shapes)
-    costs = derive_blocks(m)
-    prof = Profile(
-        blocks=costs,
-        top=keep_line.top_peak,
-        pre=keep_line.pre_peak,
-        decisions=list(chosen),
-        cost_unit="flop" if timer == "flops" else "s",
-        input_shapes=[list(t.shape) for t in shapes],
-        device=str(target if target is not None else step.device),
-        from_shapes=target is not None,
-        torch_version=torch.__version__,
-        step_cost=step.keep_cost if timer != "flops" else 3.0 * sum(m.costs[RECOMPUTE].values()),
-        static_bytes=static_bytes(model, (args, kwargs), step.counted),
-        grad_bytes=step.grad_bytes,
-        grads_kept=not set_to_none,
-        optimizer=None if optimizer is None else type(optimizer).__name__,
-        optimizer_state_bytes=opt_state,
-        optimizer_first_bytes=first,
-        optimizer_later_bytes=later,
-        end_bytes=keep_line.end_bytes,
-        end_grads=keep_line.end_grads,
-        top_grads=keep_line.top_grads,
-        chained=calls.chained,
-        kept_outputs=kept,
-        shared_bytes=step.shared,
-        shared_inputs=dict(m.shared_inputs),
-        # the same whatever the plan (every block's backward is done): the largest seen
-        post=max((t.post_peak or 0 for t in m.lines.values()), default=0),
-    )
-    return located(prof, scratch)
-
-
-def located(prof: Profile, scratch: dict[str, int] | None) -> Profile:
-    """``prof`` with the scratch inside operators of each window of the step
-    (:func:`~remat.planner.scratch.window_scratch`'s record; ``None``: not measured, none)."""
-    where = scratch or {}
-    blocks = [
-        dataclasses.replace(b, fwd_scratch=where.get(f"fwd:{i}", 0), bwd_scratch=where.get(f"bwd:{i}", 0))
-        for i, b in enumerate(prof.blocks)
-    ]  # fmt: skip
-    return dataclasses.replace(
-        prof,
-        blocks=blocks,
-        scratch_bytes=max(where.values(), default=0),
-        scratch_located=scratch is not None,
-        pre_scratch=where.get("pre", 0),
-        top_scratch=where.get("top", 0),
-        post_scratch=where.get("post", 0),
-    )
+    return profile_data(m, Profile)
 
 
 def plan_scratch(
-    model: nn.Module,
-    inputs: Inputs,
-    names: Sequence[str],
-    optimizer: torch.optim.Optimizer | None,
-    set_to_none: bool,
-    loss_fn: Callable[[Any], torch.Tensor] | None,
+    model: nn.Module, inputs: Inputs, names: Sequence[str], loop: Loop
 ) -> dict[str, int] | None:
     """The scratch inside operators of each window of one real step of ``model`` as it is
     (a plan applied: the step holds what the plan's peak does, not the unchecked step's),
@@ -366,8 +323,7 @@ def plan_scratch(
 
     A recomputed block's forward runs in its backward window and is counted there, so
     the window's scratch bounds what any decision of the block runs there."""
-    args, kwargs = inputs.args, inputs.kwargs
-    step = _Step(model, args, kwargs, optimizer, set_to_none, loss_fn, None)
+    step = Step(model, inputs, loop)
     modules = [model.get_submodule(n) for n in names]
     try:
         step.clear_grads()
@@ -423,83 +379,16 @@ def _decisions(
     return out
 
 
-class _Step:
-    """One training step of the default loop on the example inputs, run again and again:
-    forward, loss, backward (with ``out`` and ``loss`` alive until its end), from the same
-    RNG state; what the steps change is recorded in ``state`` and put back by the caller."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        optimizer: torch.optim.Optimizer | None,
-        set_to_none: bool,
-        loss_fn: Callable[[Any], torch.Tensor] | None,
-        threads: int | None,
-        target: torch.device | None = None,
-    ) -> None:
-        self.model, self.args, self.kwargs = model, args, kwargs
-        self.optimizer, self.set_to_none, self.loss_fn = optimizer, set_to_none, loss_fn
-        self.threads = threads
-        self.device = device_of(model, args)
-        #: from shapes: the device the meta tensors stand for (None: measured on it)
-        self.target = target
-        # from shapes for CPU, everything counts (the optimizer's CPU step counters too)
-        real = target if target is not None else self.device
-        self.counted = counted_device(real) if target is None or real.type == "cpu" else self.device
-        self.inputs: list[torch.Tensor] = []
-        tensors_in((args, kwargs), self.inputs)
-        leaves = [t for t in self.inputs if t.is_leaf and t.requires_grad]
-        self.state = StepState(model, leaves, optimizer, self.device, self.inputs)
-        cpu_one = self.device.type == "cpu" and threads == 1
-        self.now = time.thread_time if cpu_one else time.perf_counter
-        self.costs: list[float] = []  # each step's time
-        self.keep_cost = 0.0  # the median step time with every block kept
-        self.grad_bytes = 0
-        self.shared = 0
-
-    def clear_grads(self) -> None:
-        if self.set_to_none:
-            for t in self.state.leaves:
-                t.grad = None
-        else:
-            for t in self.state.leaves:
-                if t.grad is not None:
-                    t.grad.detach_().zero_()
-
-    def __call__(self, timeline: TimelineProbe | None = None) -> None:
-        start = self.now()
-        self.state.reset_rng()
-        fresh_region()  # in the caller's autocast region: one iteration of the AMP recipe
-        out = self.model(*self.args, **self.kwargs)
-        loss = loss_of(out, self.loss_fn)
-        with outside():
-            loss.backward()
-        if timeline is not None:  # `out` and `loss` are alive here, as in the user's loop
-            timeline.finish()
-        del out, loss
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.costs.append(self.now() - start)
-
-    def timed(self) -> None:
-        self.clear_grads()
-        self()
-
-
 def _measure(
-    step: _Step,
+    step: Step,
     blocks: dict[str, nn.Module],
     decisions: list[Decision],
-    timer: str,
     repeats: int,
     calibration: str | None = None,
-) -> tuple[
-    Measurements, tuple[int, int, int], dict[str, int] | None, CallCount, list[bool]
-]:
-    """Steps 1-5 of the module docstring."""
+) -> Measurements:
+    """Steps 1-5 of the module docstring: their raw record."""
     model, names, modules = step.model, list(blocks), list(blocks.values())
+    timer, optimizer = step.loop.timer, step.loop.optimizer
     n = len(names)
     calls = CallCount(names)
     with BlockHooks(modules, calls):
@@ -532,7 +421,7 @@ def _measure(
         with BlockHooks(modules, WindowMarks(n)):
             scratch = window_scratch(step, step.device)
     storages = unsharded_storages(model)
-    step.grad_bytes = grad_bytes(step.state.grad_params, step.counted)
+    grads = grad_bytes(step.state.grad_params, step.counted)
     splittable = {nm for nm, mod in blocks.items() if can_split(mod)}
     lines: dict[Decision, Timeline] = {}
     times: dict[Decision, dict[str, float]] = {}
@@ -542,6 +431,7 @@ def _measure(
     head_freed: dict[Decision, int] = {}
     shared_inputs: dict[str, int] = {}
     opt_terms = (0, 0, 0)
+    shared, keep_cost = 0, 0.0
     clock = make_clock(step.device, step.threads) if timer == "measured" else None
     for d in decisions:
         for nm, mod in blocks.items():  # a block that cannot split is recomputed meanwhile
@@ -559,10 +449,10 @@ def _measure(
         if frees is not None and d in HELD_LINES:
             held[d] = frees.held_to_end
             if d is KEEP:
-                freed, step.shared = frees.freed, frees.shared
+                freed, shared = frees.freed, frees.shared
                 shared_inputs = frees.shared_inputs
-        if d is KEEP and step.optimizer is not None:  # on this step's gradients
-            opt_terms = _optimizer_terms(step.state, step.optimizer, step.counted)
+        if d is KEEP and optimizer is not None:  # on this step's gradients
+            opt_terms = _optimizer_terms(step.state, optimizer, step.counted)
         if clock is not None:
             step.costs.clear()
             step.clear_grads()
@@ -570,11 +460,11 @@ def _measure(
                 blocks, step.timed, step.device, repeats, clock, step.threads
             )
             if d is KEEP:
-                step.keep_cost = float(sorted(step.costs)[len(step.costs) // 2])
+                keep_cost = float(sorted(step.costs)[len(step.costs) // 2])
     if timer == "time":
         moved = _offloaded(names, lines) if OFFLOAD in lines else None
         priced = step.target if step.target is not None else step.device
-        modelled, step.keep_cost = modelled_costs(
+        modelled, keep_cost = modelled_costs(
             model, blocks, step.args, step.kwargs, decisions, priced, step.threads, moved,
             calibration,
         )
@@ -583,10 +473,10 @@ def _measure(
     if timer == "flops":
         # "recompute" as well: a whole step's FLOPs are three times the blocks' forwards
         measured = list(dict.fromkeys([*decisions, RECOMPUTE]))
-        flops = flop_costs(model, blocks, step.args, step.kwargs, step.loss_fn, measured)
+        flops = flop_costs(model, blocks, step.args, step.kwargs, step.loop.loss_fn, measured)
         times = {Decision(d): v for d, v in flops.items()}
         noise = {d: dict.fromkeys(names, 0.0) for d in decisions}
-    m = Measurements(
+    return Measurements(
         names=names,
         decisions=list(decisions),
         lines=lines,
@@ -607,8 +497,24 @@ def _measure(
         splittable=splittable,
         shared_inputs=shared_inputs,
         head_freed=head_freed,
+        timer=timer,
+        keep_cost=keep_cost,
+        grad_bytes=grads,
+        shared_bytes=shared,
+        optimizer=None if optimizer is None else type(optimizer).__name__,
+        optimizer_first_bytes=opt_terms[0],
+        optimizer_later_bytes=opt_terms[1],
+        optimizer_state_bytes=opt_terms[2],
+        static_bytes=static_bytes(model, (step.args, step.kwargs), step.counted),
+        grads_kept=not step.loop.set_to_none,
+        input_shapes=[list(t.shape) for t in step.inputs],
+        device=str(step.target if step.target is not None else step.device),
+        from_shapes=step.target is not None,
+        torch_version=torch.__version__,
+        chained=calls.chained,
+        kept_outputs=kept,
+        scratch=scratch,
     )
-    return m, opt_terms, scratch, calls, kept
 
 
 def _offloaded(names: list[str], lines: dict[Decision, Timeline]) -> dict[str, int]:
@@ -625,7 +531,7 @@ def _offloaded(names: list[str], lines: dict[Decision, Timeline]) -> dict[str, i
 
 
 def _memory_step(
-    step: _Step,
+    step: Step,
     modules: list[nn.Module],
     storages: list[torch.UntypedStorage],
     frees: bool,
@@ -637,11 +543,11 @@ def _memory_step(
     try:
         with memory.track(step.counted) as tracker:
             tracker.watch(storages)
-            params = step.state.grad_params if step.set_to_none else []
+            params = step.state.grad_params if step.loop.set_to_none else []
             timeline = TimelineProbe(tracker, len(modules), params, step.counted)
             try:
                 with BlockHooks(modules, timeline):
-                    step(timeline)
+                    step(timeline.finish)
             finally:
                 timeline.remove()
     finally:

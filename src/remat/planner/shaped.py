@@ -13,8 +13,8 @@ of the planned model (:func:`~.measure.plan_scratch`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
@@ -22,6 +22,7 @@ from torch import nn
 from .._modelinfo import device_of
 from . import measure
 from .inputs import Inputs
+from .loop import Loop
 from .meta import is_meta, on_meta, twin
 from .progress import Progress
 from .solve import Profile
@@ -59,10 +60,9 @@ class ProfileSource:
     the module docstring), else of real steps.
 
     Args:
-        model, optimizer, set_to_none, loss_fn, check_fn, distributed: as
-            :func:`remat.profile` takes them.
-        timer: the timer of the profiles (a call may ask for another: the fit's checks
-            count FLOPs).
+        model: the model.
+        loop: the training loop's options; its ``timer`` is that of the profiles (a call may
+            ask for another: the fit's checks count FLOPs).
         agree: whether a process group of two or more ranks profiles together.
         device: for a model on the meta device, the device it will train on.
         say: where each profile is said.
@@ -71,23 +71,16 @@ class ProfileSource:
     def __init__(
         self,
         model: nn.Module,
+        loop: Loop,
         *,
-        optimizer: torch.optim.Optimizer | None,
-        set_to_none: bool,
-        loss_fn: Callable[[Any], torch.Tensor] | None,
-        check_fn: Callable[[str, nn.Module], bool] | None,
-        timer: str,
-        distributed: bool | None,
         agree: bool,
         device: str | torch.device | None,
         say: Progress,
     ) -> None:
-        self.model, self.optimizer, self.check_fn = model, optimizer, check_fn
-        self.options: dict[str, Any] = dict(set_to_none=set_to_none, loss_fn=loss_fn)
-        self.timer, self.distributed, self.device, self.say = timer, distributed, device, say
+        self.model, self.loop, self.device, self.say = model, loop, device, say
         self.meta = is_meta(model, ())
         #: why profiles are of real steps (``None``: from shapes)
-        self.why = None if self.meta else no_shapes(model, timer, agree)
+        self.why = None if self.meta else no_shapes(model, loop.timer, agree)
         self._twin: tuple[nn.Module, torch.optim.Optimizer | None] | None = None
 
     @property
@@ -98,34 +91,27 @@ class ProfileSource:
     def __call__(self, inputs: Inputs, at: str = "", timer: str | None = None) -> Profile:
         """The profile at ``inputs`` (on the model's device, or on meta for a meta model);
         ``at`` says which (``" at size 512"``) when there are several."""
-        timer = timer or self.timer
+        loop = dataclasses.replace(self.loop, timer=timer or self.loop.timer)
         args, kwargs = inputs.args, inputs.kwargs
-        options = {**self.options, "timer": timer}
         if self.meta or is_meta(self.model, (args, kwargs)):
             self.say(f"profiling from shapes{at} (a model on the meta device)")
-            return measure.profile(
-                self.model, inputs, optimizer=self.optimizer, check_fn=self.check_fn,
-                distributed=self.distributed, device=self.device, **options,
-            )  # fmt: skip
+            return measure.profile_loop(self.model, inputs, loop, device=self.device)
         if self.why is None:
             try:
                 if self._twin is None:
-                    model, _, _, opt = twin(self.model, (), {}, self.optimizer)
+                    model, _, _, opt = twin(self.model, (), {}, loop.optimizer)
                     self._twin = model, opt
                 model, opt = self._twin
                 a, k = on_meta((args, kwargs))
-                pick = None if self.check_fn is None else _by_name(self.model, self.check_fn)
+                pick = None if loop.check_fn is None else _by_name(self.model, loop.check_fn)
                 self.say(f"profiling from shapes{at} (a meta copy of the model: nothing allocated)")
-                return measure.profile(
-                    model, Inputs(*a, **k), optimizer=opt, check_fn=pick, distributed=False,
-                    device=device_of(self.model, (args, kwargs)), **options,
-                )  # fmt: skip
+                on_twin = dataclasses.replace(loop, optimizer=opt, check_fn=pick, distributed=False)
+                return measure.profile_loop(
+                    model, Inputs(*a, **k), on_twin, device=device_of(self.model, (args, kwargs))
+                )
             except NOT_FROM_SHAPES as e:
                 first = str(e).splitlines()[0] if str(e) else ""
                 self.why = f"shapes alone do not profile it ({type(e).__name__}: {first})"
                 self._twin = None
         self.say(f"profiling real steps{at}, the unchecked step among them: {self.why}")
-        return measure.profile(
-            self.model, inputs, optimizer=self.optimizer, check_fn=self.check_fn,
-            distributed=self.distributed, **options,
-        )  # fmt: skip
+        return measure.profile_loop(self.model, inputs, loop)

@@ -215,7 +215,7 @@ class ShapeFit:
 
     def add_scratch(self, size: int, prof: Profile) -> None:
         """Take the scratch inside operators of ``prof`` (the profile at the knot ``size``
-        with the scratch a real step measured there, :func:`remat.planner.measure.located`):
+        with the scratch a real step measured there, :func:`remat.planner.stepmodel.located`):
         the profile at ``size`` becomes ``prof``, and sizes between knots are bounded by it."""
         self._check_structure(size, prof)
         got = _scratch_terms(terms(prof))

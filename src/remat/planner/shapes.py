@@ -35,7 +35,6 @@ import dataclasses
 import logging
 import math
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,6 +46,7 @@ from .._tree import replace_tensors, tensors_in
 from .apply import restore_state, snapshot_state
 from .distributed import active, agree_max, agree_min
 from .inputs import Inputs
+from .loop import Loop
 from .progress import Progress
 from .render import fmt_bytes
 from .shaped import ProfileSource
@@ -191,18 +191,6 @@ class Shapes:
         return sorted(out)
 
 
-@dataclasses.dataclass
-class _Options:
-    """What the profiles of other sizes are made with (those of :func:`remat.profile`)."""
-
-    optimizer: torch.optim.Optimizer | None
-    set_to_none: bool
-    loss_fn: Callable[[Any], torch.Tensor] | None
-    check_fn: Callable[[str, nn.Module], bool] | None
-    timer: str
-    distributed: bool | None
-
-
 class ShapePlans:
     """The plans of a model for every batch size up to the largest, switched in before each
     forward (what :func:`remat.auto_checkpoint` returns with ``shapes=``; see
@@ -225,7 +213,7 @@ class ShapePlans:
         shapes: Shapes,
         fit: ShapeFit,
         budget_bytes: int,
-        options: _Options,
+        loop: Loop,
         source: ProfileSource,
     ) -> None:
         self.model = model
@@ -237,12 +225,12 @@ class ShapePlans:
         self.measured: dict[int, Profile] = {}
         self.goal = budget_bytes
         self._example = example
-        self._options = options
+        self._loop = loop
         self._source = source
-        self._agree = active(options.distributed)
+        self._agree = active(loop.distributed)
         self._plans: dict[int, Plan] = {}
         self._smallest: Plan | None = None
-        blocks = candidates(model, options.check_fn)
+        blocks = candidates(model, loop.check_fn)
         self._blocks = {n: model.get_submodule(n) for n in blocks}
         self._wrapping = snapshot_state(self._blocks)
         self._applied: Any = None
@@ -388,17 +376,13 @@ def shape_plans(
     example: Inputs,
     shapes: Shapes,
     budget: int | float | str,
+    loop: Loop,
     *,
-    optimizer: torch.optim.Optimizer | None,
-    set_to_none: bool,
-    loss_fn: Callable[[Any], torch.Tensor] | None,
-    check_fn: Callable[[str, nn.Module], bool] | None,
-    timer: str,
-    distributed: bool | None,
     quiet: bool = False,
     say: Progress | None = None,
 ) -> ShapePlans:
-    """Profile ``model`` at the knots of ``shapes`` (``example`` is the largest batch), fit,
+    """Profile ``model`` at the knots of ``shapes`` (``example`` is the largest batch) for the
+    training ``loop``, fit,
     check the fit between the knots, and return the :class:`ShapePlans` (hook not installed;
     :func:`remat.auto_checkpoint` checks real steps and installs it).
 
@@ -412,7 +396,6 @@ def shape_plans(
         raise TypeError(
             f"remat.auto_checkpoint: shapes must be a remat.Shapes, got {type(shapes).__name__}."
         )
-    options = _Options(optimizer, set_to_none, loss_fn, check_fn, timer, distributed)
     args = (example.args, example.kwargs)
     largest = shapes.size_of(args, "remat.auto_checkpoint(shapes=...)")
     knots = shapes.knots(largest)
@@ -423,10 +406,7 @@ def shape_plans(
             "Shapes(sizes=...)."
         )
     say = say or Progress("remat.auto_checkpoint", quiet)
-    source = ProfileSource(
-        model, optimizer=optimizer, set_to_none=set_to_none, loss_fn=loss_fn, check_fn=check_fn,
-        timer=timer, distributed=distributed, agree=active(distributed), device=None, say=say,
-    )  # fmt: skip
+    source = ProfileSource(model, loop, agree=active(loop.distributed), device=None, say=say)
     count = [0]
 
     def profile_at(size: int, timer: str) -> Profile:
@@ -435,7 +415,7 @@ def shape_plans(
         what = f"{count[0]} of {len(knots)}" if count[0] <= len(knots) else "checking the fit"
         return source(Inputs(*a, **k), f" at size {size} ({what})", timer=timer)
 
-    fit = ShapeFit({n: profile_at(n, timer) for n in knots})
+    fit = ShapeFit({n: profile_at(n, loop.timer) for n in knots})
     # Bytes do not depend on the timer: the checks count FLOPs, the cheapest steps.
     missed = fit.refine(
         lambda n: profile_at(n, "flops"), multiple=shapes.multiple, limit=shapes.checks
@@ -451,6 +431,6 @@ def shape_plans(
             fit.knots,
         )
     target = budget_of(fit.profiles[largest], budget)
-    if active(distributed):
+    if active(loop.distributed):
         (target,) = agree_min([target])
-    return ShapePlans(model, example, shapes, fit, target, options, source)
+    return ShapePlans(model, example, shapes, fit, target, loop, source)

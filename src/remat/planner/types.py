@@ -392,8 +392,8 @@ class StepPeak:
 
 @dataclasses.dataclass
 class Measurements:
-    """What :func:`remat.profile` measures, before the step model reads terms from it
-    (:func:`remat.planner.stepmodel.derive_blocks`).
+    """What :func:`remat.profile` measures: the whole raw record of its steps, before the
+    step model reads terms from it (:func:`remat.planner.stepmodel.profile_data`).
 
     Attributes:
         names: the candidate blocks, in call order.
@@ -418,6 +418,22 @@ class Measurements:
         splittable: blocks with two or more children with parameters.
         shared_inputs: tensors handed to blocks that die in forward with every block kept
             (:class:`SharedInput`, by :attr:`SharedInput.key`).
+        timer: the cost measure of ``costs`` (``"time"``, ``"measured"``, ``"flops"``).
+        keep_cost: the time of a whole step with every block kept (0 with ``"flops"``).
+        grad_bytes: bytes of the gradients at the memory steps' start.
+        shared_bytes: bytes of the block inputs several blocks share (:class:`InputFrees`'s).
+        optimizer: the optimizer's class name (``None``: none).
+        optimizer_first_bytes / optimizer_later_bytes / optimizer_state_bytes: peaks inside
+            the first and a later ``optimizer.step()``, and the state's bytes.
+        static_bytes: parameters, buffers, inputs (and DDP's buckets).
+        grads_kept: whether the loop keeps its gradients (``set_to_none=False``).
+        input_shapes: shapes of the tensor inputs.
+        device: the device measured (from shapes: the one the meta tensors stand for).
+        from_shapes: measured on meta tensors.
+        torch_version: the torch that ran the steps.
+        chained / kept_outputs: as :class:`ProfileData` has them.
+        scratch: the scratch inside operators per window of the step
+            (:func:`~remat.planner.scratch.window_scratch`'s record; ``None``: not measured).
     """
 
     names: list[str]
@@ -435,6 +451,23 @@ class Measurements:
     splittable: set[str]
     shared_inputs: dict[str, int] = dataclasses.field(default_factory=dict)
     head_freed: dict[Decision, int] = dataclasses.field(default_factory=dict)
+    timer: str = "time"
+    keep_cost: float = 0.0
+    grad_bytes: int = 0
+    shared_bytes: int = 0
+    optimizer: str | None = None
+    optimizer_first_bytes: int = 0
+    optimizer_later_bytes: int = 0
+    optimizer_state_bytes: int = 0
+    static_bytes: int = 0
+    grads_kept: bool = False
+    input_shapes: list[list[int]] = dataclasses.field(default_factory=list)
+    device: str = ""
+    from_shapes: bool = False
+    torch_version: str = ""
+    chained: list[bool] = dataclasses.field(default_factory=list)
+    kept_outputs: list[bool] = dataclasses.field(default_factory=list)
+    scratch: dict[str, int] | None = None
 
 
 @dataclasses.dataclass

@@ -144,6 +144,7 @@ from .peak import (
     step_peak,
     unchecked_peak,
 )
+from .record import located, profile_data
 from .segments import (
     BlockTerms,
     block_segment,
@@ -174,11 +175,13 @@ __all__ = [
     "head_bytes",
     "input_offload_cost",
     "layout",
+    "located",
     "options",
     "parse_budget",
     "plan_terms",
     "predicted_cost",
     "predicted_peak",
+    "profile_data",
     "solver_terms",
     "span_segment",
     "span_segments",
