@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, overload
 
 import torch
@@ -19,14 +19,17 @@ from .._modelinfo import (
     device_of,
 )
 from .._tree import tensors_in
-from . import advice, measure
+from ..memory import BlockHooks
+from . import advice
 from .apply import restore_state, snapshot_state
 from .distributed import active, agree_max, agree_min, agree_profile, agree_same
 from .inputs import Inputs, model_inputs
 from .loop import Loop, Step
 from .meta import is_meta
+from .probes import WindowMarks
 from .progress import Progress
 from .render import fmt_bytes
+from .scratch import mark_window, window_scratch
 from .shaped import ProfileSource
 from .shapes import ShapePlans, Shapes, shape_plans
 from .sharded import unsharded_storages
@@ -70,11 +73,22 @@ def step_peaks(
     return loop_peaks(model, Inputs(*args, **kwargs), loop, steps)
 
 
-def loop_peaks(model: nn.Module, inputs: Inputs, loop: Loop, steps: int) -> list[int]:
-    """:func:`step_peaks` of the training ``loop`` (its options checked)."""
+def loop_peaks(
+    model: nn.Module,
+    inputs: Inputs,
+    loop: Loop,
+    steps: int,
+    scratch_of: Sequence[str] | None = None,
+    scratch: dict[str, dict[str, int] | None] | None = None,
+) -> list[int]:
+    """:func:`step_peaks` of the training ``loop`` (its options checked). With
+    ``scratch_of`` (the blocks' names in call order), the last step also runs under
+    ``torch.profiler`` and ``scratch["windows"]`` is the scratch inside operators of each of
+    its windows (:func:`~.measure.plan_scratch`'s record; the optimizer's step apart): one
+    real step fewer than measuring it on its own."""
     step = Step(model, inputs, loop, where="remat.measure_peak")
     state, optimizer, counted = step.state, loop.optimizer, step.counted
-    peaks = []
+    peaks: list[int] = []
     try:
         state.fresh_optimizer_state()
         storages = unsharded_storages(model)  # FSDP2: every rank (a collective)
@@ -91,11 +105,26 @@ def loop_peaks(model: nn.Module, inputs: Inputs, loop: Loop, steps: int) -> list
             step.begin()
             with memory.track(counted) as tracker:
                 tracker.watch(storages)
-                step.run(optimizer_step=True)
+                if scratch_of is not None and len(peaks) == steps - 1:
+                    modules = [model.get_submodule(n) for n in scratch_of]
+                    with BlockHooks(modules, WindowMarks(len(modules))):
+                        found = window_scratch(
+                            lambda: step.run(optimizer_step=True, before_optimizer=_opt_window),
+                            step.device,
+                        )
+                    if scratch is not None:
+                        scratch["windows"] = found
+                else:
+                    step.run(optimizer_step=True)
             peaks.append(base + tracker.peak_bytes)
     finally:
         state.restore()
     return peaks
+
+
+def _opt_window() -> None:
+    """The optimizer's step is a window of its own: its scratch is not a block's."""
+    mark_window("opt")
 
 
 def measure_peak(
@@ -155,6 +184,16 @@ def _peak(model: nn.Module, inputs: Inputs, loop: Loop) -> int:
     return measure_peak(
         model, inputs, optimizer=loop.optimizer, set_to_none=loop.set_to_none, loss_fn=loop.loss_fn
     )
+
+
+def _peak_and_scratch(
+    model: nn.Module, inputs: Inputs, loop: Loop, names: Sequence[str]
+) -> tuple[int, dict[str, int] | None]:
+    """:func:`measure_peak`'s two steps, the second also under the profiler: the peak and
+    the scratch inside operators of each window (blocks ``names`` in call order)."""
+    found: dict[str, dict[str, int] | None] = {}
+    peaks = loop_peaks(model, inputs, loop, 2, scratch_of=names, scratch=found)
+    return max(peaks), found.get("windows")
 
 
 def check_profile_matches(
@@ -406,11 +445,12 @@ def auto_checkpoint(
         try:
             chosen.apply(model)
             say(f"checking the plan in real steps (predicted {fmt_bytes(chosen.predicted_peak_bytes)})")
-            measured = _peak(model, inputs, loop)
-            if not scratch_known:  # one more step of the planned model, under the profiler
-                say("measuring the scratch inside operators under the plan")
+            if scratch_known:
+                measured = _peak(model, inputs, loop)
+            else:  # the second checked step also under the profiler, for the scratch
                 names = [b.name for b in prof.blocks]
-                prof = located(prof, measure.plan_scratch(model, inputs, names, loop))
+                measured, where = _peak_and_scratch(model, inputs, loop, names)
+                prof = located(prof, where)
                 scratch_known = True
                 moved = budget_of(prof, budget) - target  # a share's scratch is now known
                 if agree:
@@ -517,12 +557,12 @@ def _auto_shapes(
                     f"checking the plan at size {n} in real steps (predicted "
                     f"{fmt_bytes(plans.plan_for(n).predicted_peak_bytes)})"
                 )
-                peaks[n] = _peak(model, at, loop)
                 if n in unknown:  # the hook applied the plan at n: the scratch where it is
-                    say(f"measuring the scratch inside operators under the plan at size {n}")
-                    scratch = measure.plan_scratch(model, at, names, loop)
+                    peaks[n], scratch = _peak_and_scratch(model, at, loop, names)
                     plans.fit.add_scratch(n, located(plans.fit.profiles[n], scratch))
                     unknown.discard(n)
+                else:
+                    peaks[n] = _peak(model, at, loop)
                 if agree:
                     (peaks[n],) = agree_max([peaks[n]])
             if scratched:  # a share's scratch is known now: the budget and the plans move

@@ -134,15 +134,22 @@ class Step:
         self.state.reset_rng()
         fresh_region()
 
-    def run(self, end: Callable[[], None] | None = None, optimizer_step: bool = False) -> None:
-        """Forward, loss, backward (then ``optimizer.step()`` with ``optimizer_step``);
-        ``end`` is called after them while ``out`` and ``loss`` are alive, as in the user's
-        loop."""
+    def run(
+        self,
+        end: Callable[[], None] | None = None,
+        optimizer_step: bool = False,
+        before_optimizer: Callable[[], None] | None = None,
+    ) -> None:
+        """Forward, loss, backward (then ``optimizer.step()`` with ``optimizer_step``, after
+        ``before_optimizer()``); ``end`` is called after them while ``out`` and ``loss`` are
+        alive, as in the user's loop."""
         out = self.model(*self.args, **self.kwargs)
         loss = loss_of(out, self.loop.loss_fn, self.where)
         with outside():
             loss.backward()
             if optimizer_step and self.loop.optimizer is not None:
+                if before_optimizer is not None:
+                    before_optimizer()
                 self.loop.optimizer.step()
         if end is not None:
             end()
