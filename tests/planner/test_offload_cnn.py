@@ -27,26 +27,12 @@ from torch import nn
 import remat
 from tests.support.plans import plan_of
 from tests.support.simdevice import simulated_device
+from tests.support.vision_models import BasicResBlock
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 BATCH, CHANNELS, IMAGE = 4, 8, 16  # one activation: 4 * 8 * 16 * 16 * 4 = 32 KiB
 ACT = BATCH * CHANNELS * IMAGE * IMAGE * 4
-
-
-class ConvBlock(nn.Module):
-    """Residual block: conv, BatchNorm, ReLU, conv, BatchNorm, skip, ReLU."""
-
-    def __init__(self, c: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(c)
-        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(c)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.relu(self.bn1(self.conv1(x)))
-        return F.relu(x + self.bn2(self.conv2(h)))
 
 
 class CNN(nn.Module):
@@ -55,7 +41,7 @@ class CNN(nn.Module):
     def __init__(self, blocks: int = 3, c: int = CHANNELS) -> None:
         super().__init__()
         self.stem = nn.Conv2d(3, c, 3, padding=1)
-        self.blocks = nn.Sequential(*(ConvBlock(c) for _ in range(blocks)))
+        self.blocks = nn.Sequential(*(BasicResBlock(c, out_relu=True) for _ in range(blocks)))
         self.head = nn.Linear(c, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

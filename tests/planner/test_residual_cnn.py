@@ -22,34 +22,21 @@ from torch import nn
 import remat
 from remat.planner.stepmodel import allocator_peak
 from tests.support.plans import plan_of
+from tests.support.vision_models import BasicResBlock
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 BLOCKS, CHANNELS, BATCH, IMAGE = 6, 32, 32, 16  # one activation: 1 MiB
 
 
-class ResBlock(nn.Module):
-    """conv, BatchNorm, ReLU, conv, BatchNorm, skip: its output is the add's."""
-
-    def __init__(self, c: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(c)
-        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(c)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x)))))
-
-
 class ResCNN(nn.Module):
-    """A stem, :class:`ResBlock` s (the planner's candidates), and a head whose loss
+    """A stem, :class:`~tests.support.vision_models.BasicResBlock` s (the planner's candidates), and a head whose loss
     ``forward(images, labels)`` returns."""
 
     def __init__(self, blocks: int = BLOCKS, c: int = CHANNELS) -> None:
         super().__init__()
         self.stem = nn.Conv2d(3, c, 3, padding=1)
-        self.blocks = nn.Sequential(*(ResBlock(c) for _ in range(blocks)))
+        self.blocks = nn.Sequential(*(BasicResBlock(c) for _ in range(blocks)))
         self.head = nn.Linear(c, 10)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -295,6 +295,24 @@ class MobileNetV3(nn.Module):
         return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
 
 
+class BasicResBlock(nn.Module):
+    """conv, BatchNorm, ReLU, conv, BatchNorm, skip (then a ReLU with ``out_relu``, as
+    ResNet's BasicBlock): the block of the CNN tests of the step model (#31's residual CNN,
+    the offload plans)."""
+
+    def __init__(self, c: int, out_relu: bool = False) -> None:
+        super().__init__()
+        self.out_relu = out_relu
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x)))))
+        return F.relu(out) if self.out_relu else out
+
+
 class ConvResBlock(nn.Module):
     """Two 3x3 convs at stride 1 with a BatchNorm between and a skip: maps of the image's size."""
 
