@@ -40,16 +40,19 @@ import torch
 from .._errors import PlanError
 from .._modelinfo import device_of
 from ..planner import advice
+from ..planner.apply import restore_state, snapshot_state
 from ..planner.calibration import named as named_calibration
 from ..planner.calibration import saved_names
 from ..planner.inputs import Inputs
 from ..planner.loop import Loop
-from ..planner.measure import profile
+from ..planner.measure import plan_scratch, profile
 from ..planner.meta import is_meta, one_sequence_a_row
+from ..planner.progress import Progress
 from ..planner.render import fmt_bytes as _fmt
+from ..planner.shaped import ProfileSource
 from ..planner.shapes import Shapes, shape_plans
 from ..planner.solve import plan
-from ..planner.stepmodel import parse_budget
+from ..planner.stepmodel import located, parse_budget
 from ._factory import add_target_arguments
 from ._factory import builtin_model as _builtin
 from ._factory import factory_hint as _hint
@@ -299,7 +302,9 @@ def parse_shapes(text: str) -> Shapes:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run ``remat plan``: exit code 0 done, 2 a usage mistake, 1 the factory or model failed."""
+    """Run ``remat plan``: exit code 0 done, 2 a usage mistake, 1 the factory or model failed.
+    Each stage is said on standard error as it starts (the plan is printed on standard output)."""
+    say = Progress("remat plan")
     try:
         _check(args)
         if args.hf_config is not None:
@@ -339,15 +344,19 @@ def main(args: argparse.Namespace) -> int:
             with region, one_sequence_a_row() if shaped else contextlib.nullcontext():
                 if args.shapes is not None:
                     return _plan_shapes(args, model, example, opt, region)
-                prof = profile(
-                    model,
-                    *example,
-                    optimizer=opt,
-                    set_to_none=not args.keep_grads,
-                    timer=args.timer,
-                    device=(args.device or "cpu") if shaped else None,
-                    calibration=args.calibration,
-                )
+                if shaped:
+                    say("profiling from shapes (nothing allocated)")
+                    prof = profile(
+                        model,
+                        *example,
+                        optimizer=opt,
+                        set_to_none=not args.keep_grads,
+                        timer=args.timer,
+                        device=args.device or "cpu",
+                        calibration=args.calibration,
+                    )
+                else:
+                    prof = _real_profile(args, model, example, opt, say)
         except UsageError:  # --shapes: no plan meets the budget at some size
             raise
         except Exception as e:  # the model cannot be run or planned as given
@@ -357,6 +366,7 @@ def main(args: argparse.Namespace) -> int:
                 f"profiling {args.target or 'the built-in'}'s model raised {describe(e)}"
                 + _hint(args.target or "", was_tuple)
             ) from None
+        say(f"planning {len(prof.blocks)} blocks")
         try:
             chosen = plan(
                 prof, args.budget, solver=args.solver, spans=False if args.no_spans else None
@@ -376,13 +386,14 @@ def main(args: argparse.Namespace) -> int:
             f"device {prof.device}, cost in {prof.cost_unit}"
             + (f" priced with calibration {args.calibration}" if args.calibration else "")
         )
-        if prof.from_shapes:
+        if prof.from_shapes and not prof.scratch_located:
             print(
                 f"remat plan: from shapes (a model on the meta device, nothing allocated): "
                 f"every tensor's bytes as on {prof.device}; the scratch inside operators "
                 "(cuBLAS, cuDNN, oneDNN workspaces) is not counted, only a real step shows it: "
                 "leave room for it under the budget"
             )
+        say.done("planned")
         print(chosen)
         if args.json is not None:
             write_text("--json", args.json, chosen.to_json())
@@ -393,6 +404,33 @@ def main(args: argparse.Namespace) -> int:
         print(f"remat plan: error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _real_profile(
+    args: argparse.Namespace, model: Any, example: Any, opt: Any, say: Progress
+) -> Any:
+    """The profile of a model on its device: from shapes (a meta copy, nothing allocated),
+    with the scratch inside operators measured in one real step of the plan for
+    ``--budget`` (the step that plan runs, not the unchecked one); of real steps where shapes
+    cannot (said)."""
+    loop = Loop(optimizer=opt, set_to_none=not args.keep_grads, timer=args.timer)
+    inputs = Inputs(*example)
+    prof = ProfileSource(model, loop, agree=False, device=None, say=say)(inputs)
+    if not prof.from_shapes:
+        return prof
+    try:
+        first = plan(prof, args.budget, solver=args.solver, spans=False if args.no_spans else None)
+    except (PlanError, ValueError):
+        return prof  # no plan: the error is the planner's, below
+    blocks = {b.name: model.get_submodule(b.name) for b in prof.blocks}
+    wrapping = snapshot_state(blocks)
+    say("measuring the scratch inside operators in one step of the plan")
+    try:
+        first.apply(model)
+        where = plan_scratch(model, inputs, list(blocks), loop)
+    finally:
+        restore_state(blocks, wrapping)
+    return located(prof, where)
 
 
 def _plan_shapes(args: argparse.Namespace, model: Any, example: Any, opt: Any, region: Any) -> int:
