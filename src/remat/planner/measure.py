@@ -311,6 +311,9 @@ def _profile(
         restore_state(blocks, wrapping)
         step.state.restore()
         reshard(model)  # the step's start: FSDP2's parameters sharded
+    # the static bytes as a step starts: FSDP2's parameters sharded again (without
+    # reshard_after_forward the steps leave them gathered)
+    m.static_bytes = static_bytes(model, (step.args, step.kwargs), step.counted)
     return profile_data(m, Profile)
 
 
@@ -505,7 +508,7 @@ def _measure(
         optimizer_first_bytes=opt_terms[0],
         optimizer_later_bytes=opt_terms[1],
         optimizer_state_bytes=opt_terms[2],
-        static_bytes=static_bytes(model, (step.args, step.kwargs), step.counted),
+        static_bytes=0,  # read by _profile once the steps are undone (FSDP2 resharded)
         grads_kept=not step.loop.set_to_none,
         input_shapes=[list(t.shape) for t in step.inputs],
         device=str(step.target if step.target is not None else step.device),
