@@ -10,7 +10,7 @@ import torch
 import remat
 from remat import PlanError
 from remat.planner.solve import Plan
-from remat.planner.types import Phase
+from remat.planner.types import Phase, Window, WindowKind
 from tests.support.plans import wide_mlp
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -103,3 +103,15 @@ def test_plan_from_json_with_unknown_fields_raises(adamw_profile):
     bad = data.replace('"peak_at"', '"peak_where"')
     with pytest.raises(remat.PlanError, match=r"unknown fields \['peak_where'\]"):
         remat.Plan.from_json(bad)
+
+
+@pytest.mark.parametrize("kind", list(WindowKind))
+def test_window_label_parses_back(kind):
+    window = Window(kind, 2) if kind in (WindowKind.FWD, WindowKind.BWD) else Window(kind)
+    assert Window.parse(window.label) == window
+
+
+@pytest.mark.parametrize("kind, block", [(WindowKind.FWD, -1), (WindowKind.TOP, 0)])
+def test_window_takes_a_block_exactly_when_it_is_a_blocks(kind, block):
+    with pytest.raises(ValueError, match="block index"):
+        Window(kind, block)

@@ -6,13 +6,15 @@ planner passes around. :class:`Decision` is a ``str`` enum, so a decision reads,
 hashes and serialises as its name (``Decision.KEEP == "keep"``).
 
 Example:
-    >>> from remat.planner.types import Decision, Phase, Span, Where
+    >>> from remat.planner.types import Decision, Phase, Span, Where, Window, WindowKind
     >>> Decision("selective"), Decision.KEEP == "keep"
     ('selective', True)
     >>> Span(0, 2, offloaded=True)
     Span(first=0, last=2, offloaded=True)
     >>> str(Where(Phase.BACKWARD, "layers.3")), Where(Phase.OPTIMIZER_FIRST).movable
     ("backward of 'layers.3'", False)
+    >>> Window(WindowKind.BWD, 3).label, Window.parse("top")
+    ('bwd:3', Window(kind=<WindowKind.TOP: 'top'>, block=-1))
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ __all__ = [
     "StepPeak",
     "Timeline",
     "Where",
+    "Window",
+    "WindowKind",
     "shared_inputs",
 ]
 
@@ -156,6 +160,56 @@ class Phase(enum.Enum):
     BEFORE_BLOCKS_BACKWARD = "backward of the layers before the first block"
     OPTIMIZER_FIRST = "optimizer.step() of the first step (optimizer state created)"
     OPTIMIZER_LATER = "optimizer.step() of later steps"
+
+
+class WindowKind(enum.Enum):
+    """The kinds of window a measured step is cut into, in the order they run; the phases of
+    the step (:class:`Phase`) the step model's terms fall in are made of them: ``PRE`` is
+    :attr:`Phase.BEFORE_BLOCKS`, ``FWD`` and ``BWD`` a block's :attr:`Phase.FORWARD` and
+    :attr:`Phase.BACKWARD`, ``TOP`` :attr:`Phase.AFTER_BLOCKS`, ``POST``
+    :attr:`Phase.BEFORE_BLOCKS_BACKWARD`, ``OPT`` the optimizer's step (first or later)."""
+
+    PRE = "pre"  # before the first block's forward
+    FWD = "fwd"  # a block's forward, and the model's code up to the next block
+    TOP = "top"  # after the last block returned: head, loss and their backward
+    BWD = "bwd"  # a block's backward
+    POST = "post"  # the backward of the layers before the first block
+    OPT = "opt"  # the optimizer's step
+    END = "end"  # backward has returned (nothing is measured in it)
+
+
+#: The kinds of window that belong to one block.
+_PER_BLOCK = (WindowKind.FWD, WindowKind.BWD)
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """One window of the measured step: its kind, and for a block's forward or backward the
+    block (its index in call order; ``-1`` otherwise).
+
+    :attr:`label` names it in a profiler's events (:func:`~remat.planner.scratch.mark_window`)
+    and :meth:`parse` reads such a name back: the one place a window is read from text."""
+
+    kind: WindowKind
+    block: int = -1
+
+    def __post_init__(self) -> None:
+        if (self.kind in _PER_BLOCK) != (self.block >= 0):
+            raise ValueError(
+                f"Window: a {self.kind.value!r} window takes a block index >= 0 exactly when it "
+                f"is a block's forward or backward, got block={self.block}."
+            )
+
+    @property
+    def label(self) -> str:
+        """The window's name in a profiler's events: ``"fwd:3"``, ``"top"``."""
+        return f"{self.kind.value}:{self.block}" if self.block >= 0 else self.kind.value
+
+    @classmethod
+    def parse(cls, label: str) -> Window:
+        """The window :attr:`label` names."""
+        kind, _, block = label.partition(":")
+        return cls(WindowKind(kind), int(block) if block else -1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -467,7 +521,7 @@ class Measurements:
     torch_version: str = ""
     chained: list[bool] = dataclasses.field(default_factory=list)
     kept_outputs: list[bool] = dataclasses.field(default_factory=list)
-    scratch: dict[str, int] | None = None
+    scratch: dict[Window, int] | None = None
 
 
 @dataclasses.dataclass
