@@ -30,7 +30,9 @@ from .._diagnose import Diagnostic, Kind
 from .._errors import PlanError
 
 __all__ = [
+    "BOUND",
     "DECISIONS",
+    "FIT",
     "MAX",
     "MIN",
     "NEVER",
@@ -41,6 +43,7 @@ __all__ = [
     "ProfileData",
     "BlockCosts",
     "Decision",
+    "Fit",
     "Phase",
     "Segment",
     "Span",
@@ -48,6 +51,7 @@ __all__ = [
     "SharedInput",
     "SpanLike",
     "StepPeak",
+    "TIME",
     "Timeline",
     "Where",
     "Window",
@@ -62,6 +66,21 @@ __all__ = [
 SAME = {"agree": "same"}
 MAX = {"agree": "max"}
 MIN = {"agree": "min"}
+
+
+class Fit(enum.Enum):
+    """What the fit along a varying size (:mod:`remat.planner.shapefit`) does with a numeric
+    field (its ``metadata["fit"]``, beside how ranks agree over it)."""
+
+    EXACT = "exact"  # a byte term: interpolated exactly between knots, checked to the byte
+    BOUND = "bound"  # scratch inside operators: the larger of the knots around, never fitted
+    TIME = "time"  # a time (or FLOPs), a float: interpolated, never checked
+
+
+#: The fit of a field (:class:`Fit`), to join with how ranks agree (``MAX | FIT``).
+FIT = {"fit": Fit.EXACT}
+BOUND = {"fit": Fit.BOUND}
+TIME = {"fit": Fit.TIME}
 
 #: A term that never binds: the backward term of a block whose backward was never seen.
 NEVER = -(2**62)
@@ -281,23 +300,23 @@ class BlockCosts:
     """
 
     name: str = dataclasses.field(metadata=SAME)
-    retained: dict[Decision, int] = dataclasses.field(metadata=MAX)
-    fwd_excess: dict[Decision, int] = dataclasses.field(metadata=MAX)
-    bwd_excess: dict[Decision, int] = dataclasses.field(metadata=MAX)
-    cost: dict[Decision, float] = dataclasses.field(metadata=MAX)
-    fwd_start: int = dataclasses.field(metadata=MAX)
-    bwd_start: int = dataclasses.field(metadata=MAX)
-    input_bytes: int = dataclasses.field(default=0, metadata=MAX)
-    param_bytes: int = dataclasses.field(default=0, metadata=MAX)
-    bwd_grads: int = dataclasses.field(default=0, metadata=MAX)
-    noise: dict[Decision, float] = dataclasses.field(default_factory=dict, metadata=MAX)
-    exit_freed: dict[Decision, int] = dataclasses.field(default_factory=dict, metadata=MAX)
-    pre_exit: dict[Decision, int] = dataclasses.field(default_factory=dict, metadata=MAX)
-    offload_input: int = dataclasses.field(default=0, metadata=MIN)
-    held_to_end: int = dataclasses.field(default=0, metadata=MAX)
-    fwd_scratch: int = dataclasses.field(default=0, metadata=MAX)
-    bwd_scratch: int = dataclasses.field(default=0, metadata=MAX)
-    fwd_tail: int = dataclasses.field(default=NEVER, metadata=MAX)
+    retained: dict[Decision, int] = dataclasses.field(metadata=MAX | FIT)
+    fwd_excess: dict[Decision, int] = dataclasses.field(metadata=MAX | FIT)
+    bwd_excess: dict[Decision, int] = dataclasses.field(metadata=MAX | FIT)
+    cost: dict[Decision, float] = dataclasses.field(metadata=MAX | TIME)
+    fwd_start: int = dataclasses.field(metadata=MAX | FIT)
+    bwd_start: int = dataclasses.field(metadata=MAX | FIT)
+    input_bytes: int = dataclasses.field(default=0, metadata=MAX | FIT)
+    param_bytes: int = dataclasses.field(default=0, metadata=MAX | FIT)
+    bwd_grads: int = dataclasses.field(default=0, metadata=MAX | FIT)
+    noise: dict[Decision, float] = dataclasses.field(default_factory=dict, metadata=MAX | TIME)
+    exit_freed: dict[Decision, int] = dataclasses.field(default_factory=dict, metadata=MAX | FIT)
+    pre_exit: dict[Decision, int] = dataclasses.field(default_factory=dict, metadata=MAX | FIT)
+    offload_input: int = dataclasses.field(default=0, metadata=MIN | FIT)
+    held_to_end: int = dataclasses.field(default=0, metadata=MAX | FIT)
+    fwd_scratch: int = dataclasses.field(default=0, metadata=MAX | BOUND)
+    bwd_scratch: int = dataclasses.field(default=0, metadata=MAX | BOUND)
+    fwd_tail: int = dataclasses.field(default=NEVER, metadata=MAX | FIT)
 
     def __post_init__(self) -> None:
         for f in ("retained", "fwd_excess", "bwd_excess", "cost", "noise", "exit_freed",
@@ -593,34 +612,34 @@ class ProfileData:
     """
 
     blocks: list[BlockCosts]
-    top: int = dataclasses.field(metadata=MAX)
+    top: int = dataclasses.field(metadata=MAX | FIT)
     decisions: list[Decision] = dataclasses.field(metadata=SAME)
     cost_unit: str = dataclasses.field(metadata=SAME)
     input_shapes: list[list[int]] = dataclasses.field(metadata=SAME)
     device: str = ""
     torch_version: str = ""
-    step_cost: float = dataclasses.field(default=0.0, metadata=MAX)
-    pre: int = dataclasses.field(default=0, metadata=MAX)
-    static_bytes: int = dataclasses.field(default=0, metadata=MAX)
-    grad_bytes: int = dataclasses.field(default=0, metadata=MAX)
+    step_cost: float = dataclasses.field(default=0.0, metadata=MAX | TIME)
+    pre: int = dataclasses.field(default=0, metadata=MAX | FIT)
+    static_bytes: int = dataclasses.field(default=0, metadata=MAX | FIT)
+    grad_bytes: int = dataclasses.field(default=0, metadata=MAX | FIT)
     grads_kept: bool = dataclasses.field(default=False, metadata=SAME)
     optimizer: str | None = dataclasses.field(default=None, metadata=SAME)
-    optimizer_state_bytes: int = dataclasses.field(default=0, metadata=MAX)
-    optimizer_first_bytes: int = dataclasses.field(default=0, metadata=MAX)
-    optimizer_later_bytes: int = dataclasses.field(default=0, metadata=MAX)
-    end_bytes: int = dataclasses.field(default=0, metadata=MAX)
-    end_grads: int = dataclasses.field(default=0, metadata=MAX)
-    top_grads: int = dataclasses.field(default=0, metadata=MAX)
+    optimizer_state_bytes: int = dataclasses.field(default=0, metadata=MAX | FIT)
+    optimizer_first_bytes: int = dataclasses.field(default=0, metadata=MAX | FIT)
+    optimizer_later_bytes: int = dataclasses.field(default=0, metadata=MAX | FIT)
+    end_bytes: int = dataclasses.field(default=0, metadata=MAX | FIT)
+    end_grads: int = dataclasses.field(default=0, metadata=MAX | FIT)
+    top_grads: int = dataclasses.field(default=0, metadata=MAX | FIT)
     chained: list[bool] = dataclasses.field(default_factory=list, metadata=SAME)
-    scratch_bytes: int = dataclasses.field(default=0, metadata=MAX)
+    scratch_bytes: int = dataclasses.field(default=0, metadata=MAX | BOUND)
     kept_outputs: list[bool] = dataclasses.field(default_factory=list, metadata=SAME)
-    shared_bytes: int = dataclasses.field(default=0, metadata=MAX)
+    shared_bytes: int = dataclasses.field(default=0, metadata=MAX | FIT)
     scratch_located: bool = dataclasses.field(default=False, metadata=SAME)
-    pre_scratch: int = dataclasses.field(default=0, metadata=MAX)
-    top_scratch: int = dataclasses.field(default=0, metadata=MAX)
-    post: int = dataclasses.field(default=0, metadata=MAX)
-    post_scratch: int = dataclasses.field(default=0, metadata=MAX)
-    shared_inputs: dict[str, int] = dataclasses.field(default_factory=dict, metadata=MAX)
+    pre_scratch: int = dataclasses.field(default=0, metadata=MAX | BOUND)
+    top_scratch: int = dataclasses.field(default=0, metadata=MAX | BOUND)
+    post: int = dataclasses.field(default=0, metadata=MAX | FIT)
+    post_scratch: int = dataclasses.field(default=0, metadata=MAX | BOUND)
+    shared_inputs: dict[str, int] = dataclasses.field(default_factory=dict, metadata=MAX | FIT)
     from_shapes: bool = dataclasses.field(default=False, metadata=SAME)
 
     def __post_init__(self) -> None:
