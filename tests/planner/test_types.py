@@ -4,13 +4,16 @@ unknown fields refused, and the table of a plan read back.
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import pytest
 import torch
 
 import remat
 from remat import PlanError
 from remat.planner.solve import Plan
-from remat.planner.types import Phase
+from remat.planner.types import BlockCosts, Fit, Phase, ProfileData, Window, WindowKind
 from tests.support.plans import wide_mlp
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -103,3 +106,31 @@ def test_plan_from_json_with_unknown_fields_raises(adamw_profile):
     bad = data.replace('"peak_at"', '"peak_where"')
     with pytest.raises(remat.PlanError, match=r"unknown fields \['peak_where'\]"):
         remat.Plan.from_json(bad)
+
+
+@pytest.mark.parametrize("kind", list(WindowKind))
+def test_window_label_parses_back(kind):
+    window = Window(kind, 2) if kind in (WindowKind.FWD, WindowKind.BWD) else Window(kind)
+    assert Window.parse(window.label) == window
+
+
+@pytest.mark.parametrize("kind, block", [(WindowKind.FWD, -1), (WindowKind.TOP, 0)])
+def test_window_takes_a_block_exactly_when_it_is_a_blocks(kind, block):
+    with pytest.raises(ValueError, match="block index"):
+        Window(kind, block)
+
+
+@pytest.mark.parametrize("cls", [ProfileData, BlockCosts])
+def test_every_numeric_field_says_what_the_shape_fit_does_with_it(cls):
+    """An int field (bytes) is fitted exactly or, scratch, bounded; a float field is a time;
+    the fields the fit reads are those ranks agree over by max or min."""
+    for f in dataclasses.fields(cls):
+        number = re.fullmatch(r"(dict\[\w+, )?(int|float)\]?", str(f.type))
+        fit = f.metadata.get("fit")
+        if number is None:
+            assert fit is None, f.name
+            continue
+        want = {Fit.TIME} if number.group(2) == "float" else {Fit.EXACT, Fit.BOUND}
+        assert fit in want, f"{cls.__name__}.{f.name}: fit {fit}"
+        assert f.metadata.get("agree") in ("max", "min"), f.name
+        assert (fit is Fit.BOUND) == ("scratch" in f.name), f.name

@@ -7,7 +7,8 @@ Data flows one way, each module importing only those before it::
                    render (text) and apply (modules) sit beside them, under solve
 
 * :mod:`.types`: the vocabulary as types: :class:`~.types.Decision` (an enum),
-  :class:`~.types.Span`, :class:`~.types.Where` (a phase of the step), the measured
+  :class:`~.types.Span`, :class:`~.types.Where` (a phase of the step), :class:`~.types.Window`
+  (a window of the measured step), the measured
   :class:`~.types.Timeline` s and :class:`~.types.Measurements`, a block's terms
   (:class:`~.types.BlockCosts`), the data of a profile and of a plan, and how ranks agree
   over each field (its metadata).
@@ -50,7 +51,8 @@ Words, each with one meaning here:
 * **segment**: a block alone or a span, with its peak, what it saves and what it costs: the
   rows the solvers plan over.
 * **term**: one bound of the step model (a block's forward, backward, recompute, the head).
-* **window**: a stretch of the measured step between two boundaries (a block's forward).
+* **window**: a stretch of the measured step between two boundaries (a block's forward):
+  a :class:`~.types.Window`; :class:`~.probes.WindowProbe` turns the block hooks into them.
 * **timeline**: the bytes at every window boundary of one measured step.
 * **region** (outside the planner): one ``checkpoint`` frame; the autocast context is
   the *autocast region*.

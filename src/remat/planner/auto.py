@@ -41,6 +41,7 @@ from .state import (
     static_bytes,
 )
 from .stepmodel import budget_of, located
+from .types import Window, WindowKind
 
 log = logging.getLogger("remat")
 
@@ -79,7 +80,7 @@ def loop_peaks(
     loop: Loop,
     steps: int,
     scratch_of: Sequence[str] | None = None,
-    scratch: dict[str, dict[str, int] | None] | None = None,
+    scratch: dict[str, dict[Window, int] | None] | None = None,
 ) -> list[int]:
     """:func:`step_peaks` of the training ``loop`` (its options checked). With
     ``scratch_of`` (the blocks' names in call order), the last step also runs under
@@ -124,7 +125,7 @@ def loop_peaks(
 
 def _opt_window() -> None:
     """The optimizer's step is a window of its own: its scratch is not a block's."""
-    mark_window("opt")
+    mark_window(Window(WindowKind.OPT))
 
 
 def measure_peak(
@@ -188,10 +189,10 @@ def _peak(model: nn.Module, inputs: Inputs, loop: Loop) -> int:
 
 def _peak_and_scratch(
     model: nn.Module, inputs: Inputs, loop: Loop, names: Sequence[str]
-) -> tuple[int, dict[str, int] | None]:
+) -> tuple[int, dict[Window, int] | None]:
     """:func:`measure_peak`'s two steps, the second also under the profiler: the peak and
     the scratch inside operators of each window (blocks ``names`` in call order)."""
-    found: dict[str, dict[str, int] | None] = {}
+    found: dict[str, dict[Window, int] | None] = {}
     peaks = loop_peaks(model, inputs, loop, 2, scratch_of=names, scratch=found)
     return max(peaks), found.get("windows")
 

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .._errors import PlanError
-from .types import ProfileData
+from .types import Fit, ProfileData
 
 P = TypeVar("P", bound=ProfileData)
 
@@ -107,9 +107,10 @@ def agree_max_float(values: Sequence[float]) -> list[float]:
 
 def _fields(obj: Any, kind: str) -> list[tuple[str, bool]]:
     """The fields of a dataclass that agree by ``kind`` (their ``metadata["agree"]``), each
-    with whether its numbers are floats (times, FLOPs) rather than ints (bytes), by its type."""
+    with whether its numbers are floats (times, FLOPs: ``metadata["fit"]`` is
+    :attr:`~remat.planner.types.Fit.TIME`) rather than ints (bytes)."""
     return [
-        (f.name, "float" in str(f.type))
+        (f.name, f.metadata.get("fit") is Fit.TIME)
         for f in dataclasses.fields(obj)
         if f.metadata.get("agree") == kind
     ]

@@ -83,7 +83,7 @@ from .state import (
 )
 from .stepmodel import HELD_LINES, profile_data
 from .timing import flop_costs, modelled_costs, time_blocks
-from .types import Decision, Measurements, Timeline
+from .types import Decision, Measurements, Timeline, Window
 
 KEEP, RECOMPUTE, SELECTIVE, OFFLOAD, SPLIT = (
     Decision.KEEP,
@@ -319,7 +319,7 @@ def _profile(
 
 def plan_scratch(
     model: nn.Module, inputs: Inputs, names: Sequence[str], loop: Loop
-) -> dict[str, int] | None:
+) -> dict[Window, int] | None:
     """The scratch inside operators of each window of one real step of ``model`` as it is
     (a plan applied: the step holds what the plan's peak does, not the unchecked step's),
     blocks ``names`` in call order; everything the step changes is put back.

@@ -10,6 +10,8 @@ probes only record; :mod:`remat.planner.stepmodel` turns what they record into t
 * :class:`CallCount`: how often each block runs, the order of their first calls (the
   order the profile takes them in), which blocks pass their output straight to the next
   (``Profile.chained``), which change an input in place.
+* :class:`WindowProbe`: the step's windows (:class:`~remat.planner.types.Window`) from the
+  block hooks, each boundary one ``enter(window)`` call; its two users:
 * :class:`TimelineProbe`: the bytes at the boundaries of a step's contiguous windows
   (before the blocks, each block's forward, head and loss, each block's backward) into a
   :class:`~remat.planner.types.Timeline`, on :mod:`remat.memory`'s windows, and the
@@ -39,14 +41,13 @@ from torch import nn
 
 from .. import memory
 from .._bytes import leaves, shares_storage, storage_bytes, storages
-from .._config import is_recomputing
 from .._tree import tensors_in
 from ..memory import BlockHooks
 from .amp import fresh_region
 from .apply import apply_decision
 from .scratch import mark_window
 from .state import StepState, grad_bytes
-from .types import Decision, SharedInput, Timeline
+from .types import Decision, SharedInput, Timeline, Window, WindowKind
 
 _log = logging.getLogger(__name__)
 
@@ -178,7 +179,63 @@ class CallCount:
             )
 
 
-class TimelineProbe:
+class WindowProbe:
+    """The step's windows from the block hooks: each boundary an :meth:`enter` call.
+
+    Block ``i``'s forward (:meth:`before`) opens ``Window(FWD, i)``, the last block's return
+    (:meth:`after`) the ``TOP`` window, the first gradient of a block's outputs
+    (:meth:`backward_start`) that block's ``BWD`` window, and the first gradient of an input
+    of the first block once every block's backward started (:meth:`inputs_done`) the
+    ``POST`` window; the step starts in the ``PRE`` window (:attr:`current`). A subclass
+    says what a boundary does (:meth:`enter`: called while :attr:`current` is still the
+    window that ends), and may look at a block's return (:meth:`returned`)."""
+
+    def __init__(self, n: int) -> None:
+        self.last = n - 1
+        self.current = Window(WindowKind.PRE)
+        self.seen: set[int] = set()  # the blocks whose backward started
+
+    def enter(self, window: Window) -> None:
+        """The window :attr:`current` ends here and ``window`` starts."""
+        raise NotImplementedError
+
+    def returned(self, i: int, outs: list[torch.Tensor]) -> None:
+        """Block ``i`` returned ``outs`` (after the ``TOP`` window opened, for the last)."""
+
+    def move(self, window: Window) -> None:
+        """Enter ``window``: it is :attr:`current` from now on."""
+        self.enter(window)
+        self.current = window
+
+    def before(self, i: int, args: Any, kwargs: Any) -> None:
+        self.move(Window(WindowKind.FWD, i))
+        if i == 0:
+            watch_first_inputs(args, kwargs, self)
+
+    def after(self, i: int, args: Any, kwargs: Any, out: Any) -> None:
+        if i == self.last:
+            self.move(Window(WindowKind.TOP))
+        outs: list[torch.Tensor] = []
+        tensors_in(out, outs)
+        self.returned(i, outs)
+        outs = [t for t in outs if t.requires_grad]
+        if outs:
+            torch.autograd.graph.register_multi_grad_hook(outs, BackwardStart(self, i), mode="any")
+
+    def backward_start(self, i: int) -> None:
+        if i not in self.seen:
+            self.seen.add(i)
+            self.move(Window(WindowKind.BWD, i))
+
+    def inputs_done(self) -> None:
+        """The first gradient of an input of the first block: its backward is done, the
+        backward of the layers before the blocks starts (``POST``), where every block's
+        backward was seen (the blocks are one chain there)."""
+        if self.current == Window(WindowKind.BWD, 0) and len(self.seen) == self.last + 1:
+            self.move(Window(WindowKind.POST))
+
+
+class TimelineProbe(WindowProbe):
     """Reads a tracker at the boundaries of a step's contiguous windows into a
     :class:`~remat.planner.types.Timeline` (``line``).
 
@@ -195,10 +252,10 @@ class TimelineProbe:
         params: list[torch.Tensor],
         counted: torch.device | None,
     ) -> None:
+        super().__init__(n)
         self.tracker = tracker
         self.params = params
         self.counted = counted
-        self.last = n - 1
         self.line = Timeline(
             fwd_start=[0] * n, fwd_peak=[0] * n, bwd_start=[None] * n, bwd_peak=[0] * n,
             bwd_grads=[0] * n, input_bytes=[0] * n,
@@ -206,7 +263,6 @@ class TimelineProbe:
         self.line.outputs_freed = [0] * max(n - 1, 0)
         self.line.fwd_tail = [0] * n
         self.inner = 0  # the peak of the open forward window up to its block's return
-        self.phase: tuple[str, int] = ("pre", -1)
         self.window = tracker.open_window()
         # each block's outputs, those of them the next block did not receive, and of those
         # the ones alive when the last block returns (``Timeline.outputs_freed``)
@@ -219,25 +275,36 @@ class TimelineProbe:
         self.real_clear = torch.clear_autocast_cache
         torch.clear_autocast_cache = self._clear_cache  # type: ignore[assignment]
 
-    def _switch(self, phase: tuple[str, int]) -> int:
-        """Close the open window (its peak goes to its phase), open one for ``phase``."""
+    def enter(self, window: Window) -> None:
+        """Close the open window (its peak goes to :attr:`current`'s terms), open one for
+        ``window`` (the bytes at its start go to its terms)."""
         peak = self.tracker.close_window(self.window)
-        kind, i = self.phase
-        line = self.line
+        line, (kind, i) = self.line, (self.current.kind, self.current.block)
         grads = grad_bytes(self.params, self.counted)
-        if kind == "pre":
+        if kind is WindowKind.PRE:
             line.pre_peak = peak
-        elif kind == "fwd":  # the window's part after the block returned was open
+        elif kind is WindowKind.FWD:  # the window's part after the block returned was open
             line.fwd_peak[i], line.fwd_tail[i] = max(peak, self.inner), peak
-        elif kind == "top":
+        elif kind is WindowKind.TOP:
             line.top_peak, line.top_grads = peak, grads
-        elif kind == "bwd":
+        elif kind is WindowKind.BWD:
             line.bwd_peak[i], line.bwd_grads[i] = peak, grads
-        elif kind == "post":
+        elif kind is WindowKind.POST:
             line.post_peak = peak
         self.window = self.tracker.open_window()
-        self.phase = phase
-        return self.window.start
+        start, j = self.window.start, window.block
+        if window.kind is WindowKind.FWD:
+            line.fwd_start[j] = start
+            self.inner = 0
+        elif window.kind is WindowKind.TOP:
+            line.top_start = start
+            line.fwd_tail[self.last] = line.fwd_peak[self.last]
+            self.seq[-1] = self.tracker.allocations
+            self.held = [storage_sizes(refs, self.counted) for refs in self.unpassed]
+        elif window.kind is WindowKind.BWD:
+            line.bwd_start[j] = start
+            if j < self.last:
+                line.outputs_freed[j] = sum(b for r, b in self.held[j] if r() is None)
 
     def before(self, i: int, args: Any, kwargs: Any) -> None:
         found: list[torch.Tensor] = []
@@ -249,33 +316,20 @@ class TimelineProbe:
             self.unpassed[i - 1] = [
                 r for r in self.outs[i - 1] if not any(r() is t for t in got)
             ]
-        self.line.fwd_start[i] = self._switch(("fwd", i))
-        self.inner = 0
-        if i == 0:
-            watch_first_inputs(args, kwargs, self)
+        super().before(i, args, kwargs)
         self.seq[i] = self.tracker.allocations
 
-    def after(self, i: int, args: Any, kwargs: Any, out: Any) -> None:
-        if i == self.last:
-            self.line.top_start = self._switch(("top", -1))
-            self.line.fwd_tail[i] = self.line.fwd_peak[i]
-            self.seq[-1] = self.tracker.allocations
-            self.held = [storage_sizes(refs, self.counted) for refs in self.unpassed]
-        else:  # the rest of the window (the model's code before the next block) on its own
+    def returned(self, i: int, outs: list[torch.Tensor]) -> None:
+        if i != self.last:  # the rest of the window (the model's code before the next block)
             self.inner = self.tracker.close_window(self.window)
             self.window = self.tracker.open_window()
-        outs: list[torch.Tensor] = []
-        tensors_in(out, outs)
         self.outs[i] = [weakref.ref(t) for t in outs]
-        outs = [t for t in outs if t.requires_grad]
-        if outs:
-            torch.autograd.graph.register_multi_grad_hook(outs, BackwardStart(self, i), mode="any")
 
     def _clear_cache(self) -> None:
         """``torch.clear_autocast_cache`` while the step runs: between the last block's
         forward and its backward (the region's end), split the ``top`` window there and
         count, per block, the bytes of its forward window that die (its cached casts)."""
-        if self.phase[0] != "top":
+        if self.current.kind is not WindowKind.TOP:
             self.real_clear()
             return
         line, tracker = self.line, self.tracker
@@ -289,22 +343,9 @@ class TimelineProbe:
                 line.exit_freed[i] += nbytes
         self.window.peak = self.window.start = tracker.current_bytes
 
-    def backward_start(self, i: int) -> None:
-        if self.line.bwd_start[i] is None:
-            self.line.bwd_start[i] = self._switch(("bwd", i))
-            if i < self.last:
-                self.line.outputs_freed[i] = sum(b for r, b in self.held[i] if r() is None)
-
-    def inputs_done(self) -> None:
-        """The first gradient of an input of the first block: its backward is done, the
-        backward of the layers before the blocks starts (``post``), where every block's
-        backward was seen (the blocks are one chain there)."""
-        if self.phase == ("bwd", 0) and all(s is not None for s in self.line.bwd_start):
-            self._switch(("post", -1))
-
     def finish(self) -> None:
         """Close the last window (backward has returned); read the bytes alive now."""
-        self._switch(("end", -1))
+        self.move(Window(WindowKind.END))
         self.line.end_bytes = self.tracker.current_bytes
         self.line.end_grads = grad_bytes(self.params, self.counted)
 
@@ -313,47 +354,19 @@ class TimelineProbe:
         self.tracker.close_window(self.window)
 
 
-class WindowMarks:
+class WindowMarks(WindowProbe):
     """Marks the boundaries of the step's windows, the :class:`TimelineProbe`'s (block
     ``i``'s forward, ``top``, block ``i``'s backward), in a running profiler's events
     (:func:`~remat.planner.scratch.mark_window`), so the scratch inside operators is
-    counted in the window it happens in (:func:`~remat.planner.scratch.window_scratch`)."""
+    counted in the window it happens in (:func:`~remat.planner.scratch.window_scratch`).
+    A checkpoint's recompute runs in its block's backward window (:class:`BlockHooks`
+    skips its forwards)."""
 
-    def __init__(self, n: int) -> None:
-        self.last = n - 1
-        self.seen: set[int] = set()
-        self.post = False
-
-    def before(self, i: int, args: Any, kwargs: Any) -> None:
-        if is_recomputing():  # a checkpoint's recompute runs in its block's backward window
-            return
-        mark_window(f"fwd:{i}")
-        if i == 0:
-            watch_first_inputs(args, kwargs, self)
-
-    def after(self, i: int, args: Any, kwargs: Any, out: Any) -> None:
-        if is_recomputing():
-            return
-        if i == self.last:
-            mark_window("top")
-        outs: list[torch.Tensor] = []
-        tensors_in(out, outs)
-        outs = [t for t in outs if t.requires_grad]
-        if outs:
-            torch.autograd.graph.register_multi_grad_hook(outs, BackwardStart(self, i), mode="any")
-
-    def backward_start(self, i: int) -> None:
-        if i not in self.seen:
-            self.seen.add(i)
-            mark_window(f"bwd:{i}")
-
-    def inputs_done(self) -> None:
-        if len(self.seen) == self.last + 1 and not self.post:
-            self.post = True
-            mark_window("post")
+    def enter(self, window: Window) -> None:
+        mark_window(window)
 
 
-def watch_first_inputs(args: Any, kwargs: Any, probe: TimelineProbe | WindowMarks) -> None:
+def watch_first_inputs(args: Any, kwargs: Any, probe: WindowProbe) -> None:
     """Call ``probe.inputs_done()`` at the first gradient of one of the first block's inputs
     (its backward is done there); nothing when none of them needs one."""
     found: list[torch.Tensor] = []
@@ -368,7 +381,7 @@ def watch_first_inputs(args: Any, kwargs: Any, probe: TimelineProbe | WindowMark
 class BackwardStart:
     """Gradient hook on a block's outputs: its backward window starts."""
 
-    def __init__(self, probe: TimelineProbe | WindowMarks, i: int) -> None:
+    def __init__(self, probe: WindowProbe, i: int) -> None:
         self.probe = probe
         self.i = i
 

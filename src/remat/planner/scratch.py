@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .types import Window, WindowKind
+
 _MARK = "remat::operator"
 _WINDOW = "remat::window::"
 log = logging.getLogger("remat")
@@ -72,11 +74,11 @@ def _quiet_native_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-def mark_window(name: str) -> None:
-    """Mark, in a running profiler's events, that the step's window ``name`` starts here
-    (``"fwd:3"``, ``"top"``, ``"bwd:3"``): :func:`window_scratch` gives each window the
-    scratch of the operators that start in it."""
-    with _range(_WINDOW + name):
+def mark_window(window: Window) -> None:
+    """Mark, in a running profiler's events, that the step's window ``window`` starts here
+    (by its :attr:`~remat.planner.types.Window.label`): :func:`window_scratch` gives each
+    window the scratch of the operators that start in it."""
+    with _range(_WINDOW + window.label):
         pass
 
 
@@ -97,9 +99,9 @@ def operator_scratch(run: Callable[[], None], device: torch.device) -> int:
     return max(found.values(), default=0) if found is not None else 0
 
 
-def window_scratch(run: Callable[[], None], device: torch.device) -> dict[str, int] | None:
+def window_scratch(run: Callable[[], None], device: torch.device) -> dict[Window, int] | None:
     """Per window of the step ``run()`` runs (marked by :func:`mark_window` as it runs;
-    ``"pre"`` before the first mark), the most memory of ``device`` one operator starting in
+    ``WindowKind.PRE`` before the first mark), the most memory of ``device`` one operator starting in
     it allocates and frees inside; windows without scratch are left out.
 
     ``run`` is called once, under ``torch.profiler``. Returns ``None`` when a profiler is
@@ -111,7 +113,7 @@ def window_scratch(run: Callable[[], None], device: torch.device) -> dict[str, i
         >>> x = torch.randn(8, 64, requires_grad=True)
         >>> def run():
         ...     y = x.sin()
-        ...     mark_window("top")
+        ...     mark_window(Window(WindowKind.TOP))
         ...     y.sum().backward()
         >>> window_scratch(run, torch.device("cpu"))
         {}
@@ -148,7 +150,7 @@ def largest_scratch(events: list[Any], device: torch.device) -> int:
     return max(scratch_by_window(events, device).values(), default=0)
 
 
-def scratch_by_window(events: list[Any], device: torch.device) -> dict[str, int]:
+def scratch_by_window(events: list[Any], device: torch.device) -> dict[Window, int]:
     """The largest scratch of one marked operator in profiler ``events`` per window (see
     :func:`window_scratch`)."""
     kind = device.type.upper()
@@ -164,7 +166,8 @@ def scratch_by_window(events: list[Any], device: torch.device) -> dict[str, int]
     marks = sorted((e.start_ns(), e.name()[len(_WINDOW) :]) for e in events
                    if e.name().startswith(_WINDOW))  # fmt: skip
     starts = [t for t, _ in marks]
-    out: dict[str, int] = {}
+    windows = [Window.parse(label) for _, label in marks]
+    out: dict[Window, int] = {}
     for e in events:
         if e.name() != _MARK:
             continue
@@ -177,6 +180,6 @@ def scratch_by_window(events: list[Any], device: torch.device) -> dict[str, int]
         scratch = top - max(cur, 0)
         if scratch > 0:
             at = bisect.bisect_right(starts, e.start_ns()) - 1
-            window = marks[at][1] if at >= 0 else "pre"
+            window = windows[at] if at >= 0 else Window(WindowKind.PRE)
             out[window] = max(out.get(window, 0), scratch)
     return out

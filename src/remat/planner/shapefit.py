@@ -43,28 +43,34 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
 from .._errors import PlanError
 from .distributed import structure
 from .solve import Profile
-from .types import ProfileData
+from .types import Fit, ProfileData
 
-__all__ = ["ShapeFit", "interpolate", "terms"]
-
-_KINDS = ("max", "min")
+__all__ = ["ShapeFit", "fits", "interpolate", "terms"]
 
 
-def _fields(obj: Any) -> list[tuple[str, bool]]:
-    """The numeric fields of a profile or block (those with an ``agree`` of max or min), each
-    with whether it holds floats (times) rather than ints (bytes)."""
-    return [
-        (f.name, "float" in str(f.type))
-        for f in dataclasses.fields(obj)
-        if f.metadata.get("agree") in _KINDS
-    ]
+def _fields(obj: Any) -> list[tuple[str, Fit]]:
+    """The numeric fields of a profile or block, each with what the fit does with it (its
+    ``metadata["fit"]``: :class:`~remat.planner.types.Fit`)."""
+    return [(f.name, f.metadata["fit"]) for f in dataclasses.fields(obj) if "fit" in f.metadata]
+
+
+def _walk(prof: ProfileData) -> Iterator[tuple[str, int | float, Fit]]:
+    """Every number of ``prof`` by name (see :func:`terms`), with its field's fit."""
+    for prefix, obj in [("", prof)] + [(f"{b.name}.", b) for b in prof.blocks]:
+        for name, fit in _fields(obj):
+            v = getattr(obj, name)
+            if isinstance(v, dict):
+                for k in sorted(v):
+                    yield f"{prefix}{name}[{k}]", v[k], fit
+            else:
+                yield f"{prefix}{name}", v, fit
 
 
 def terms(prof: ProfileData) -> dict[str, int | float]:
@@ -79,16 +85,12 @@ def terms(prof: ProfileData) -> dict[str, int | float]:
         >>> terms(prof)["static_bytes"]
         112
     """
-    out: dict[str, int | float] = {}
-    for prefix, obj in [("", prof)] + [(f"{b.name}.", b) for b in prof.blocks]:
-        for name, _ in _fields(obj):
-            v = getattr(obj, name)
-            if isinstance(v, dict):
-                for k in sorted(v):
-                    out[f"{prefix}{name}[{k}]"] = v[k]
-            else:
-                out[f"{prefix}{name}"] = v
-    return out
+    return {name: v for name, v, _ in _walk(prof)}
+
+
+def fits(prof: ProfileData) -> dict[str, Fit]:
+    """What the fit does with each number of :func:`terms` (its field's ``metadata["fit"]``)."""
+    return {name: fit for name, _, fit in _walk(prof)}
 
 
 def _rebuilt(obj: Any, prefix: str, values: Mapping[str, int | float]) -> Any:
@@ -102,16 +104,6 @@ def _rebuilt(obj: Any, prefix: str, values: Mapping[str, int | float]) -> Any:
     return dataclasses.replace(obj, **changes)
 
 
-def _bounded(name: str) -> bool:
-    """A scratch term (``scratch_bytes``, ``fwd_scratch``, ...): the workspace of one operator,
-    which its kernel sizes by thresholds of its own (no polynomial in the size). Between two
-    knots it is bounded by the larger of their values, not fitted, and never checked."""
-    return "scratch" in name
-
-
-def _scratch_terms(values: Mapping[str, int | float]) -> dict[str, int | float]:
-    """The scratch terms of :func:`terms`' record."""
-    return {k: v for k, v in values.items() if _bounded(k)}
 
 
 def _structure(prof: ProfileData) -> tuple[object, ...]:
@@ -175,14 +167,28 @@ class ShapeFit:
             self._check_structure(n, self.profiles[n])
         self._times = {n: terms(p) for n, p in self.profiles.items()}
         self._bytes = dict(self._times)
+        #: what the fit does with each term (the same at every size: one structure)
+        self._fit = fits(self.profiles[self.sizes[0]])
         #: per size whose scratch inside operators was measured (not a profile from
         #: shapes, which sees none), its scratch terms
         self._scratch = {
-            n: _scratch_terms(t) for n, t in self._times.items() if not self.profiles[n].from_shapes
+            n: self._scratch_terms(t)
+            for n, t in self._times.items()
+            if not self.profiles[n].from_shapes
         }
         self._certified: dict[tuple[int, int], dict[str, tuple[int, ...]]] = {}
         self.misfits: dict[int, list[str]] = {}
         """Per size checked by :meth:`refine`, the byte terms the fit missed there."""
+
+    def _scratch_terms(self, values: Mapping[str, int | float]) -> dict[str, int | float]:
+        """The scratch terms of :func:`terms`' record (:attr:`Fit.BOUND`: the workspace of
+        one operator, which its kernel sizes by thresholds of its own, no polynomial in the
+        size; between two knots the larger of their values, not fitted, never checked)."""
+        return {k: v for k, v in values.items() if self._fit[k] is Fit.BOUND}
+
+    def _exact(self, name: str) -> bool:
+        """Whether the term ``name`` is a byte term fitted exactly (:attr:`Fit.EXACT`)."""
+        return self._fit[name] is Fit.EXACT
 
     def _check_structure(self, size: int, prof: ProfileData) -> None:
         if _structure(prof) != self._structure:
@@ -211,14 +217,14 @@ class ShapeFit:
         self._check_structure(size, prof)
         self._bytes[size] = terms(prof)
         if not prof.from_shapes:
-            self._scratch[size] = _scratch_terms(self._bytes[size])
+            self._scratch[size] = self._scratch_terms(self._bytes[size])
 
     def add_scratch(self, size: int, prof: Profile) -> None:
         """Take the scratch inside operators of ``prof`` (the profile at the knot ``size``
         with the scratch a real step measured there, :func:`remat.planner.stepmodel.located`):
         the profile at ``size`` becomes ``prof``, and sizes between knots are bounded by it."""
         self._check_structure(size, prof)
-        got = _scratch_terms(terms(prof))
+        got = self._scratch_terms(terms(prof))
         self._scratch[size] = got
         if size in self.profiles:
             self.profiles[size] = prof
@@ -259,9 +265,7 @@ class ShapeFit:
         where the first three's polynomial is checked); an interval is trusted when every
         term has such knots, or when no size inside it is a multiple of ``multiple``."""
         knots = self.knots
-        names = [
-            k for k, v in self._bytes[knots[0]].items() if not isinstance(v, float) and not _bounded(k)
-        ]
+        names = [k for k in self._bytes[knots[0]] if self._exact(k)]
         self._certified = {}
         for i, (a, b) in enumerate(zip(knots, knots[1:])):
             if -(-(a + 1) // multiple) * multiple >= b:
@@ -295,9 +299,9 @@ class ShapeFit:
         nearest = self._window(self.knots, size)
         times = self._window(self.sizes, size)
         out: dict[str, int | float] = {}
-        for name, v in self._times[self.sizes[0]].items():
-            is_float = isinstance(v, float)
-            if _bounded(name):
+        for name in self._times[self.sizes[0]]:
+            is_float = self._fit[name] is Fit.TIME
+            if self._fit[name] is Fit.BOUND:
                 out[name] = self._scratch_at(name, size)
                 continue
             if not is_float and base is not None:
@@ -330,11 +334,7 @@ class ShapeFit:
         """The byte terms of ``prof`` (measured at ``size``) the fit does not give exactly."""
         got = terms(prof)
         fitted = self.values(size)
-        return [
-            k
-            for k, v in got.items()
-            if not isinstance(v, float) and not _bounded(k) and fitted[k] != v
-        ]
+        return [k for k, v in got.items() if self._exact(k) and fitted[k] != v]
 
     def refine(
         self, measure: Callable[[int], Profile], *, multiple: int = 1, limit: int = 4
@@ -368,13 +368,9 @@ class ShapeFit:
             self._check_structure(mid, prof)
             fitted = self.values(mid)
             got = terms(prof)
-            wrong = [
-                k
-                for k, v in got.items()
-                if not isinstance(v, float) and not _bounded(k) and fitted[k] != v
-            ]
+            wrong = [k for k, v in got.items() if self._exact(k) and fitted[k] != v]
             self.misfits[mid] = wrong
             out += [f"{k} at {mid}: fitted {fitted[k]}, measured {got[k]}" for k in wrong]
             self._bytes[mid] = got
             if not prof.from_shapes:
-                self._scratch[mid] = _scratch_terms(got)
+                self._scratch[mid] = self._scratch_terms(got)

@@ -6,13 +6,15 @@ planner passes around. :class:`Decision` is a ``str`` enum, so a decision reads,
 hashes and serialises as its name (``Decision.KEEP == "keep"``).
 
 Example:
-    >>> from remat.planner.types import Decision, Phase, Span, Where
+    >>> from remat.planner.types import Decision, Phase, Span, Where, Window, WindowKind
     >>> Decision("selective"), Decision.KEEP == "keep"
     ('selective', True)
     >>> Span(0, 2, offloaded=True)
     Span(first=0, last=2, offloaded=True)
     >>> str(Where(Phase.BACKWARD, "layers.3")), Where(Phase.OPTIMIZER_FIRST).movable
     ("backward of 'layers.3'", False)
+    >>> Window(WindowKind.BWD, 3).label, Window.parse("top")
+    ('bwd:3', Window(kind=<WindowKind.TOP: 'top'>, block=-1))
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from .._diagnose import Diagnostic, Kind
 from .._errors import PlanError
 
 __all__ = [
+    "BOUND",
     "DECISIONS",
+    "FIT",
     "MAX",
     "MIN",
     "NEVER",
@@ -39,6 +43,7 @@ __all__ = [
     "ProfileData",
     "BlockCosts",
     "Decision",
+    "Fit",
     "Phase",
     "Segment",
     "Span",
@@ -46,8 +51,11 @@ __all__ = [
     "SharedInput",
     "SpanLike",
     "StepPeak",
+    "TIME",
     "Timeline",
     "Where",
+    "Window",
+    "WindowKind",
     "shared_inputs",
 ]
 
@@ -58,6 +66,21 @@ __all__ = [
 SAME = {"agree": "same"}
 MAX = {"agree": "max"}
 MIN = {"agree": "min"}
+
+
+class Fit(enum.Enum):
+    """What the fit along a varying size (:mod:`remat.planner.shapefit`) does with a numeric
+    field (its ``metadata["fit"]``, beside how ranks agree over it)."""
+
+    EXACT = "exact"  # a byte term: interpolated exactly between knots, checked to the byte
+    BOUND = "bound"  # scratch inside operators: the larger of the knots around, never fitted
+    TIME = "time"  # a time (or FLOPs), a float: interpolated, never checked
+
+
+#: The fit of a field (:class:`Fit`), to join with how ranks agree (``MAX | FIT``).
+FIT = {"fit": Fit.EXACT}
+BOUND = {"fit": Fit.BOUND}
+TIME = {"fit": Fit.TIME}
 
 #: A term that never binds: the backward term of a block whose backward was never seen.
 NEVER = -(2**62)
@@ -158,6 +181,56 @@ class Phase(enum.Enum):
     OPTIMIZER_LATER = "optimizer.step() of later steps"
 
 
+class WindowKind(enum.Enum):
+    """The kinds of window a measured step is cut into, in the order they run; the phases of
+    the step (:class:`Phase`) the step model's terms fall in are made of them: ``PRE`` is
+    :attr:`Phase.BEFORE_BLOCKS`, ``FWD`` and ``BWD`` a block's :attr:`Phase.FORWARD` and
+    :attr:`Phase.BACKWARD`, ``TOP`` :attr:`Phase.AFTER_BLOCKS`, ``POST``
+    :attr:`Phase.BEFORE_BLOCKS_BACKWARD`, ``OPT`` the optimizer's step (first or later)."""
+
+    PRE = "pre"  # before the first block's forward
+    FWD = "fwd"  # a block's forward, and the model's code up to the next block
+    TOP = "top"  # after the last block returned: head, loss and their backward
+    BWD = "bwd"  # a block's backward
+    POST = "post"  # the backward of the layers before the first block
+    OPT = "opt"  # the optimizer's step
+    END = "end"  # backward has returned (nothing is measured in it)
+
+
+#: The kinds of window that belong to one block.
+_PER_BLOCK = (WindowKind.FWD, WindowKind.BWD)
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """One window of the measured step: its kind, and for a block's forward or backward the
+    block (its index in call order; ``-1`` otherwise).
+
+    :attr:`label` names it in a profiler's events (:func:`~remat.planner.scratch.mark_window`)
+    and :meth:`parse` reads such a name back: the one place a window is read from text."""
+
+    kind: WindowKind
+    block: int = -1
+
+    def __post_init__(self) -> None:
+        if (self.kind in _PER_BLOCK) != (self.block >= 0):
+            raise ValueError(
+                f"Window: a {self.kind.value!r} window takes a block index >= 0 exactly when it "
+                f"is a block's forward or backward, got block={self.block}."
+            )
+
+    @property
+    def label(self) -> str:
+        """The window's name in a profiler's events: ``"fwd:3"``, ``"top"``."""
+        return f"{self.kind.value}:{self.block}" if self.block >= 0 else self.kind.value
+
+    @classmethod
+    def parse(cls, label: str) -> Window:
+        """The window :attr:`label` names."""
+        kind, _, block = label.partition(":")
+        return cls(WindowKind(kind), int(block) if block else -1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Where:
     """A phase of the step, and the block it belongs to (forward, backward, recompute)."""
@@ -227,23 +300,23 @@ class BlockCosts:
     """
 
     name: str = dataclasses.field(metadata=SAME)
-    retained: dict[Decision, int] = dataclasses.field(metadata=MAX)
-    fwd_excess: dict[Decision, int] = dataclasses.field(metadata=MAX)
-    bwd_excess: dict[Decision, int] = dataclasses.field(metadata=MAX)
-    cost: dict[Decision, float] = dataclasses.field(metadata=MAX)
-    fwd_start: int = dataclasses.field(metadata=MAX)
-    bwd_start: int = dataclasses.field(metadata=MAX)
-    input_bytes: int = dataclasses.field(default=0, metadata=MAX)
-    param_bytes: int = dataclasses.field(default=0, metadata=MAX)
-    bwd_grads: int = dataclasses.field(default=0, metadata=MAX)
-    noise: dict[Decision, float] = dataclasses.field(default_factory=dict, metadata=MAX)
-    exit_freed: dict[Decision, int] = dataclasses.field(default_factory=dict, metadata=MAX)
-    pre_exit: dict[Decision, int] = dataclasses.field(default_factory=dict, metadata=MAX)
-    offload_input: int = dataclasses.field(default=0, metadata=MIN)
-    held_to_end: int = dataclasses.field(default=0, metadata=MAX)
-    fwd_scratch: int = dataclasses.field(default=0, metadata=MAX)
-    bwd_scratch: int = dataclasses.field(default=0, metadata=MAX)
-    fwd_tail: int = dataclasses.field(default=NEVER, metadata=MAX)
+    retained: dict[Decision, int] = dataclasses.field(metadata=MAX | FIT)
+    fwd_excess: dict[Decision, int] = dataclasses.field(metadata=MAX | FIT)
+    bwd_excess: dict[Decision, int] = dataclasses.field(metadata=MAX | FIT)
+    cost: dict[Decision, float] = dataclasses.field(metadata=MAX | TIME)
+    fwd_start: int = dataclasses.field(metadata=MAX | FIT)
+    bwd_start: int = dataclasses.field(metadata=MAX | FIT)
+    input_bytes: int = dataclasses.field(default=0, metadata=MAX | FIT)
+    param_bytes: int = dataclasses.field(default=0, metadata=MAX | FIT)
+    bwd_grads: int = dataclasses.field(default=0, metadata=MAX | FIT)
+    noise: dict[Decision, float] = dataclasses.field(default_factory=dict, metadata=MAX | TIME)
+    exit_freed: dict[Decision, int] = dataclasses.field(default_factory=dict, metadata=MAX | FIT)
+    pre_exit: dict[Decision, int] = dataclasses.field(default_factory=dict, metadata=MAX | FIT)
+    offload_input: int = dataclasses.field(default=0, metadata=MIN | FIT)
+    held_to_end: int = dataclasses.field(default=0, metadata=MAX | FIT)
+    fwd_scratch: int = dataclasses.field(default=0, metadata=MAX | BOUND)
+    bwd_scratch: int = dataclasses.field(default=0, metadata=MAX | BOUND)
+    fwd_tail: int = dataclasses.field(default=NEVER, metadata=MAX | FIT)
 
     def __post_init__(self) -> None:
         for f in ("retained", "fwd_excess", "bwd_excess", "cost", "noise", "exit_freed",
@@ -467,7 +540,7 @@ class Measurements:
     torch_version: str = ""
     chained: list[bool] = dataclasses.field(default_factory=list)
     kept_outputs: list[bool] = dataclasses.field(default_factory=list)
-    scratch: dict[str, int] | None = None
+    scratch: dict[Window, int] | None = None
 
 
 @dataclasses.dataclass
@@ -539,34 +612,34 @@ class ProfileData:
     """
 
     blocks: list[BlockCosts]
-    top: int = dataclasses.field(metadata=MAX)
+    top: int = dataclasses.field(metadata=MAX | FIT)
     decisions: list[Decision] = dataclasses.field(metadata=SAME)
     cost_unit: str = dataclasses.field(metadata=SAME)
     input_shapes: list[list[int]] = dataclasses.field(metadata=SAME)
     device: str = ""
     torch_version: str = ""
-    step_cost: float = dataclasses.field(default=0.0, metadata=MAX)
-    pre: int = dataclasses.field(default=0, metadata=MAX)
-    static_bytes: int = dataclasses.field(default=0, metadata=MAX)
-    grad_bytes: int = dataclasses.field(default=0, metadata=MAX)
+    step_cost: float = dataclasses.field(default=0.0, metadata=MAX | TIME)
+    pre: int = dataclasses.field(default=0, metadata=MAX | FIT)
+    static_bytes: int = dataclasses.field(default=0, metadata=MAX | FIT)
+    grad_bytes: int = dataclasses.field(default=0, metadata=MAX | FIT)
     grads_kept: bool = dataclasses.field(default=False, metadata=SAME)
     optimizer: str | None = dataclasses.field(default=None, metadata=SAME)
-    optimizer_state_bytes: int = dataclasses.field(default=0, metadata=MAX)
-    optimizer_first_bytes: int = dataclasses.field(default=0, metadata=MAX)
-    optimizer_later_bytes: int = dataclasses.field(default=0, metadata=MAX)
-    end_bytes: int = dataclasses.field(default=0, metadata=MAX)
-    end_grads: int = dataclasses.field(default=0, metadata=MAX)
-    top_grads: int = dataclasses.field(default=0, metadata=MAX)
+    optimizer_state_bytes: int = dataclasses.field(default=0, metadata=MAX | FIT)
+    optimizer_first_bytes: int = dataclasses.field(default=0, metadata=MAX | FIT)
+    optimizer_later_bytes: int = dataclasses.field(default=0, metadata=MAX | FIT)
+    end_bytes: int = dataclasses.field(default=0, metadata=MAX | FIT)
+    end_grads: int = dataclasses.field(default=0, metadata=MAX | FIT)
+    top_grads: int = dataclasses.field(default=0, metadata=MAX | FIT)
     chained: list[bool] = dataclasses.field(default_factory=list, metadata=SAME)
-    scratch_bytes: int = dataclasses.field(default=0, metadata=MAX)
+    scratch_bytes: int = dataclasses.field(default=0, metadata=MAX | BOUND)
     kept_outputs: list[bool] = dataclasses.field(default_factory=list, metadata=SAME)
-    shared_bytes: int = dataclasses.field(default=0, metadata=MAX)
+    shared_bytes: int = dataclasses.field(default=0, metadata=MAX | FIT)
     scratch_located: bool = dataclasses.field(default=False, metadata=SAME)
-    pre_scratch: int = dataclasses.field(default=0, metadata=MAX)
-    top_scratch: int = dataclasses.field(default=0, metadata=MAX)
-    post: int = dataclasses.field(default=0, metadata=MAX)
-    post_scratch: int = dataclasses.field(default=0, metadata=MAX)
-    shared_inputs: dict[str, int] = dataclasses.field(default_factory=dict, metadata=MAX)
+    pre_scratch: int = dataclasses.field(default=0, metadata=MAX | BOUND)
+    top_scratch: int = dataclasses.field(default=0, metadata=MAX | BOUND)
+    post: int = dataclasses.field(default=0, metadata=MAX | FIT)
+    post_scratch: int = dataclasses.field(default=0, metadata=MAX | BOUND)
+    shared_inputs: dict[str, int] = dataclasses.field(default_factory=dict, metadata=MAX | FIT)
     from_shapes: bool = dataclasses.field(default=False, metadata=SAME)
 
     def __post_init__(self) -> None:

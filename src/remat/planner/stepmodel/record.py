@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TypeVar
 
-from ..types import Decision, Measurements, ProfileData
+from ..types import Decision, Measurements, ProfileData, Window, WindowKind
 from .derive import derive_blocks
 
 P = TypeVar("P", bound=ProfileData)
@@ -55,20 +55,23 @@ def profile_data(m: Measurements, kind: type[P]) -> P:
     return located(prof, m.scratch)
 
 
-def located(prof: P, scratch: dict[str, int] | None) -> P:
+def located(prof: P, scratch: dict[Window, int] | None) -> P:
     """``prof`` with the scratch inside operators of each window of the step
     (:func:`~remat.planner.scratch.window_scratch`'s record; ``None``: not measured, none)."""
     where = scratch or {}
+    fwd, bwd = WindowKind.FWD, WindowKind.BWD
     blocks = [
-        dataclasses.replace(b, fwd_scratch=where.get(f"fwd:{i}", 0), bwd_scratch=where.get(f"bwd:{i}", 0))
+        dataclasses.replace(
+            b, fwd_scratch=where.get(Window(fwd, i), 0), bwd_scratch=where.get(Window(bwd, i), 0)
+        )
         for i, b in enumerate(prof.blocks)
-    ]  # fmt: skip
+    ]
     return dataclasses.replace(
         prof,
         blocks=blocks,
         scratch_bytes=max(where.values(), default=0),
         scratch_located=scratch is not None,
-        pre_scratch=where.get("pre", 0),
-        top_scratch=where.get("top", 0),
-        post_scratch=where.get("post", 0),
+        pre_scratch=where.get(Window(WindowKind.PRE), 0),
+        top_scratch=where.get(Window(WindowKind.TOP), 0),
+        post_scratch=where.get(Window(WindowKind.POST), 0),
     )
