@@ -305,8 +305,8 @@ def auto_checkpoint(
     model, its inputs and optimizer runs the profile's steps without allocating, so a model
     whose unchecked step does not fit is planned all the same, in seconds. The real steps
     that follow run the *planned* model, whose predicted peak is within the budget: the
-    two steps :func:`measure_peak` measures and one under ``torch.profiler`` for the scratch
-    inside operators (which only the device shows), after which the plan is made again with
+    two steps :func:`measure_peak` measures, the second also under ``torch.profiler`` for the
+    scratch inside operators (which only the device shows), after which the plan is made again with
     that scratch where it happens. Where shapes alone cannot profile the model (shapes that
     depend on values, as a mixture of experts' routing; a model sharded by FSDP2 or wrapped
     in DDP; ``timer="measured"``; inside ``torch.autocast``) the model is profiled on its
