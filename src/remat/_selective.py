@@ -227,9 +227,11 @@ class _Saved:
 
 
 def _address(t: torch.Tensor) -> int:
-    """Where ``t``'s storage is: its data's address, or for a meta tensor (whose data are all
-    at 0) its storage's (a profile from shapes, :mod:`remat.planner.meta`)."""
+    """Where ``t``'s storage is: its data's address, or for a meta or fake tensor (whose data
+    are all at 0) its storage's (a profile from shapes, :mod:`remat.planner.meta`)."""
     st = t.untyped_storage()
+    if st.device.type == "meta":  # a meta or fake tensor: its data are nowhere
+        return int(st._cdata)
     return st.data_ptr() or st._cdata
 
 
