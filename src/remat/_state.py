@@ -56,7 +56,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes as _no_modes
 
 from ._tree import tensors_in
 
@@ -234,10 +233,7 @@ def host_state(state: torch.Tensor, on_cpu: bool = True) -> bytearray | torch.Te
     state; a region on a device (``on_cpu=False``) keeps the tensor, which is host memory
     and not in the device's budget.
     """
-    if not on_cpu:
-        return state
-    with _no_modes():  # a view of host memory: nothing a mode (a fake one) should see
-        return bytearray(state.numpy())
+    return bytearray(state.numpy()) if on_cpu else state
 
 
 def tensor_state(state: bytearray | torch.Tensor) -> torch.Tensor:
