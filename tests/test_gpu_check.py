@@ -196,6 +196,7 @@ def test_junit_outcomes_count_each_outcome_with_its_message(script, tmp_path, xm
     assert messages.get("t::b", "assert 1 == 2") == "assert 1 == 2"
 
 
+@pytest.mark.slow  # 13 s: it calibrates the CPU for three dtypes
 def test_shapes_part_saves_a_calibration_and_measures_a_plan_from_shapes_as_predicted(
     script, tmp_path
 ):
