@@ -71,7 +71,7 @@ def step_peaks(
     check_grad_enabled("remat.measure_peak")
     check_step_options("remat.measure_peak", optimizer, set_to_none)
     loop = Loop(optimizer=optimizer, set_to_none=set_to_none, loss_fn=loss_fn)
-    return loop_peaks(model, Inputs(*args, **kwargs), loop, steps)
+    return loop_peaks(model, Inputs(*args, **kwargs), loop, steps)[0]
 
 
 def loop_peaks(
@@ -80,16 +80,16 @@ def loop_peaks(
     loop: Loop,
     steps: int,
     scratch_of: Sequence[str] | None = None,
-    scratch: dict[str, dict[Window, int] | None] | None = None,
-) -> list[int]:
-    """:func:`step_peaks` of the training ``loop`` (its options checked). With
-    ``scratch_of`` (the blocks' names in call order), the last step also runs under
-    ``torch.profiler`` and ``scratch["windows"]`` is the scratch inside operators of each of
-    its windows (:func:`~.measure.plan_scratch`'s record; the optimizer's step apart): one
-    real step fewer than measuring it on its own."""
+) -> tuple[list[int], dict[Window, int] | None]:
+    """:func:`step_peaks` of the training ``loop`` (its options checked), and with
+    ``scratch_of`` (the blocks' names in call order) the scratch inside operators of each
+    window of the last step, which then also runs under ``torch.profiler``
+    (:func:`~.measure.plan_scratch`'s record; the optimizer's step apart): one real step
+    fewer than measuring it on its own. Without ``scratch_of`` the scratch is ``None``."""
     step = Step(model, inputs, loop, where="remat.measure_peak")
     state, optimizer, counted = step.state, loop.optimizer, step.counted
     peaks: list[int] = []
+    found: dict[Window, int] | None = None
     try:
         state.fresh_optimizer_state()
         storages = unsharded_storages(model)  # FSDP2: every rank (a collective)
@@ -113,14 +113,12 @@ def loop_peaks(
                             lambda: step.run(optimizer_step=True, before_optimizer=_opt_window),
                             step.device,
                         )
-                    if scratch is not None:
-                        scratch["windows"] = found
                 else:
                     step.run(optimizer_step=True)
             peaks.append(base + tracker.peak_bytes)
     finally:
         state.restore()
-    return peaks
+    return peaks, found
 
 
 def _opt_window() -> None:
@@ -192,9 +190,8 @@ def _peak_and_scratch(
 ) -> tuple[int, dict[Window, int] | None]:
     """:func:`measure_peak`'s two steps, the second also under the profiler: the peak and
     the scratch inside operators of each window (blocks ``names`` in call order)."""
-    found: dict[str, dict[Window, int] | None] = {}
-    peaks = loop_peaks(model, inputs, loop, 2, scratch_of=names, scratch=found)
-    return max(peaks), found.get("windows")
+    peaks, found = loop_peaks(model, inputs, loop, 2, scratch_of=names)
+    return max(peaks), found
 
 
 def check_profile_matches(

@@ -29,15 +29,14 @@ the scratch is) is read from it by :func:`remat.planner.stepmodel.profile_data`.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from .. import memory
-from .._bytes import meta_holds_bytes, storage_bytes
+from .._bytes import storage_bytes
 from .._modelinfo import (
     candidates,
     check_grad_enabled,
@@ -54,15 +53,7 @@ from .calibration import make_clock
 from .distributed import active, agree_profile, agree_same
 from .inputs import Inputs, model_inputs
 from .loop import Loop, Step
-from .meta import (
-    AsDevice,
-    CpuStatistics,
-    check_no_autocast,
-    fused_on_meta,
-    is_meta,
-    one_sequence_a_row,
-    target_device,
-)
+from .meta import check_no_autocast, is_meta, shapes_only, target_device
 from .probes import (
     CallCount,
     InputFrees,
@@ -240,8 +231,8 @@ def profile_loop(
         raise ValueError(f"remat.profile: repeats must be an int >= 1, got {repeats!r}.")
     check_step_options("remat.profile", loop.optimizer, loop.set_to_none)
     shaped = is_meta(model, (args, kwargs))
+    target = target_device(device, "remat.profile") if shaped else None
     if shaped:
-        target = target_device(device, "remat.profile")
         check_no_autocast("remat.profile")
         if timer == "measured":
             raise ValueError(
@@ -262,9 +253,9 @@ def profile_loop(
     if agree:  # before any step: ranks that would run different steps would hang
         agree_same((names, [str(d) for d in chosen], repeats, timer), "the blocks, decisions and steps")
     try:
-        with _shapes_only(target if shaped else None, "position_ids" not in inputs.kwargs):
+        with shapes_only(target, "position_ids" not in inputs.kwargs):
             prof = _profile(model, inputs, loop, blocks, chosen, repeats, threads, calibration,
-                            target if shaped else None)  # fmt: skip
+                            target)  # fmt: skip
     except (RuntimeError, NotImplementedError) as e:
         if not shaped:
             raise
@@ -276,19 +267,6 @@ def profile_loop(
             "by itself for a real model)."
         ) from e
     return agree_profile(prof) if agree else prof
-
-
-@contextlib.contextmanager
-def _shapes_only(target: torch.device | None, own_positions: bool) -> Iterator[None]:
-    """Meta tensors hold their bytes and run the target device's kernels (none: as they are);
-    with ``own_positions`` (no ``position_ids`` passed) transformers sees one sequence a row."""
-    if target is None:
-        yield
-        return
-    fixes = CpuStatistics() if target.type == "cpu" else contextlib.nullcontext()
-    rows = one_sequence_a_row() if own_positions else contextlib.nullcontext()
-    with meta_holds_bytes(), AsDevice(target), fixes, rows, fused_on_meta():
-        yield
 
 
 def _profile(

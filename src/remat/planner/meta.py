@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from .._bytes import meta_holds_bytes
 from .._tree import replace_tensors, tensors_in
 
 log = logging.getLogger("remat")
@@ -299,6 +300,22 @@ def on_meta(args: Any) -> Any:
         if id(t) not in memo:
             memo[id(t)] = _meta_of(t)
     return replace_tensors(args, [memo[id(t)] for t in found], [0])
+
+
+@contextlib.contextmanager
+def shapes_only(target: torch.device | None, own_positions: bool) -> Iterator[None]:
+    """Inside, meta tensors hold their bytes and run ``target``'s kernels (``None``: nothing
+    changes): :func:`~remat._bytes.meta_holds_bytes`, :class:`AsDevice`,
+    :class:`CpuStatistics` for CPU, :func:`fused_on_meta`, and with ``own_positions`` (no
+    ``position_ids`` passed) :func:`one_sequence_a_row`. What :func:`remat.profile` runs a
+    meta model's steps in."""
+    if target is None:
+        yield
+        return
+    fixes = CpuStatistics() if target.type == "cpu" else contextlib.nullcontext()
+    rows = one_sequence_a_row() if own_positions else contextlib.nullcontext()
+    with meta_holds_bytes(), AsDevice(target), fixes, rows, fused_on_meta():
+        yield
 
 
 @contextlib.contextmanager
