@@ -56,6 +56,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ._tree import tensors_in
 
@@ -233,7 +234,10 @@ def host_state(state: torch.Tensor, on_cpu: bool = True) -> bytearray | torch.Te
     state; a region on a device (``on_cpu=False``) keeps the tensor, which is host memory
     and not in the device's budget.
     """
-    return bytearray(state.numpy()) if on_cpu else state
+    if not on_cpu:
+        return state
+    with unset_fake_temporarily():  # a fake tensor mode (a profile from shapes) must not see it
+        return bytearray(state.numpy())
 
 
 def tensor_state(state: bytearray | torch.Tensor) -> torch.Tensor:

@@ -130,6 +130,10 @@ class MemoryTracker:
         self._windows: list[Window] = []
         self._watched: list[list[Any]] = []  # [storage, bytes last seen, device]
         self._watched_keys: set[int] = set()
+        #: whether meta storages hold bytes for this tracker: made inside
+        #: :func:`remat._bytes.meta_holds_bytes` (a profile from shapes), never for a tracker
+        #: made outside, around one (a fake tensor's storage is on meta, its device real)
+        self.holds_meta = meta_counts()
 
     @property
     def current_bytes(self) -> int:
@@ -241,12 +245,12 @@ class MemoryTracker:
             if not isinstance(obj, torch.Tensor):
                 continue
             for t in (obj,) if type(obj) in _PLAIN and obj.layout is torch.strided else leaves(obj):
-                if t.device.type == "meta" and not meta_counts():
+                st = t.untyped_storage()
+                if st.device.type == "meta" and not (self.holds_meta and meta_counts()):
                     continue
                 device = _device_key(t.device)
                 if self.device is not None and device != self.device:
                     continue
-                st = t.untyped_storage()
                 key = st._cdata
                 with self._lock:
                     known = self._knows(key) is not None or key in self._watched_keys
@@ -399,12 +403,12 @@ class _TrackMode(TorchDispatchMode):
         for out in outs:
             plain = type(out) in _PLAIN and out.layout is torch.strided
             for t in (out,) if plain else leaves(out):
-                if t.device.type == "meta" and not meta_counts():
+                st = t.untyped_storage()
+                if st.device.type == "meta" and not (tracker.holds_meta and meta_counts()):
                     continue
                 device = str(t.device)
                 if tracker.device is not None and device != tracker.device:
                     continue
-                st = t.untyped_storage()
                 key = st._cdata
                 ref = tracker._knows(key)
                 if ref is not None:

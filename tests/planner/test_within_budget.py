@@ -69,11 +69,16 @@ def test_device_is_refused_for_a_model_on_a_real_device():
 
 
 @pytest.mark.slow
-def test_a_model_whose_unchecked_step_exceeds_the_address_space_limit_is_planned_and_trains():
+@pytest.mark.parametrize("recipe", ["fp32", "amp"])
+def test_a_model_whose_unchecked_step_exceeds_the_address_space_limit_is_planned_and_trains(
+    recipe,
+):
     env = {**os.environ, "MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "65536"}
+    flags = ["--amp"] if recipe == "amp" else []
     out = subprocess.run(
-        [sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600
-    )
+        [sys.executable, str(SCRIPT), *flags], env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["unchecked_fits"] is False  # the limit bites: the unchecked step fails

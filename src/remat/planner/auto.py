@@ -304,10 +304,13 @@ def auto_checkpoint(
     that follow run the *planned* model, whose predicted peak is within the budget: the
     two steps :func:`measure_peak` measures, the second also under ``torch.profiler`` for the
     scratch inside operators (which only the device shows), after which the plan is made again with
-    that scratch where it happens. Where shapes alone cannot profile the model (shapes that
-    depend on values, as a mixture of experts' routing; a model sharded by FSDP2 or wrapped
-    in DDP; ``timer="measured"``; inside ``torch.autocast``) the model is profiled on its
-    device as :func:`remat.profile` does (this is said), which runs the unchecked step.
+    that scratch where it happens. Inside ``torch.autocast`` (which never casts meta tensors)
+    the copy is a fake one (:mod:`remat.planner.fake`: fake tensors of the model's device, no
+    bytes either). Where shapes alone cannot profile the model (shapes that depend on values,
+    as a mixture of experts' routing; a model sharded by FSDP2 or wrapped in DDP;
+    ``timer="measured"``; CPU's recurrent kernels, ``nn.LSTM``/``nn.GRU``, under autocast)
+    the model is profiled on its device as :func:`remat.profile` does (this is said), which
+    runs the unchecked step.
     A model on the meta device is planned and the plan applied, with no real step.
     Each stage is said on standard error unless ``quiet``.
 
@@ -416,7 +419,8 @@ def auto_checkpoint(
             f"model's tensors are on {device_of(model, (args, kwargs))}: leave device out."
         )
     if profile is None:
-        prof = ProfileSource(model, loop, agree=agree, device=device, say=say)(inputs)
+        source = ProfileSource(model, loop, agree=agree, device=device, say=say, within=True)
+        prof = source(inputs)
     else:
         check_profile_matches(profile, model, inputs, loop)
         prof = agree_profile(profile) if agree else profile  # a no-op on an agreed profile

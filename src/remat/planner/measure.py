@@ -29,6 +29,7 @@ the scratch is) is read from it by :func:`remat.planner.stepmodel.profile_data`.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,6 +52,7 @@ from .amp import outside
 from .apply import apply_decision, restore_state, snapshot_state
 from .calibration import make_clock
 from .distributed import active, agree_profile, agree_same
+from .fake import fake_mode_of
 from .inputs import Inputs, model_inputs
 from .loop import Loop, Step
 from .meta import check_no_autocast, is_meta, shapes_only, target_device
@@ -230,10 +232,21 @@ def profile_loop(
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"remat.profile: repeats must be an int >= 1, got {repeats!r}.")
     check_step_options("remat.profile", loop.optimizer, loop.set_to_none)
-    shaped = is_meta(model, (args, kwargs))
-    target = target_device(device, "remat.profile") if shaped else None
-    if shaped:
+    fake = fake_mode_of(model, (args, kwargs))
+    shaped = fake is not None or is_meta(model, (args, kwargs))
+    if fake is not None:  # a fake twin: the device its tensors report
+        if device is not None:
+            raise ValueError(
+                f"remat.profile: device={device!r} is for a model on the meta device; this "
+                "model's tensors are fake tensors of a device: leave device out."
+            )
+        target: torch.device | None = device_of(model, (args, kwargs))
+    elif shaped:
+        target = target_device(device, "remat.profile")
         check_no_autocast("remat.profile")
+    else:
+        target = None
+    if shaped:
         if timer == "measured":
             raise ValueError(
                 "remat.profile: timer='measured' times real steps, and a model on the meta "
@@ -253,7 +266,8 @@ def profile_loop(
     if agree:  # before any step: ranks that would run different steps would hang
         agree_same((names, [str(d) for d in chosen], repeats, timer), "the blocks, decisions and steps")
     try:
-        with shapes_only(target, "position_ids" not in inputs.kwargs):
+        mode = fake if fake is not None else contextlib.nullcontext()
+        with mode, shapes_only(target, "position_ids" not in inputs.kwargs):
             prof = _profile(model, inputs, loop, blocks, chosen, repeats, threads, calibration,
                             target)  # fmt: skip
     except (RuntimeError, NotImplementedError) as e:

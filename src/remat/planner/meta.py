@@ -37,8 +37,10 @@ What a meta run cannot know, and how it is handled:
 * **Shapes that depend on values** (a mixture of experts' routing: ``nonzero``, a
   ``.item()``): a meta run raises; :func:`remat.auto_checkpoint` then profiles on the
   device (logged), :func:`remat.profile` raises saying so.
-* **Autocast** applies per device type and never to meta tensors: a profile from shapes
-  inside ``torch.autocast`` is refused (build the model in the dtype it computes in).
+* **Autocast** applies per device type and never to meta tensors: a meta model's profile
+  inside ``torch.autocast`` is refused (build the model in the dtype it computes in); a real
+  model inside autocast is profiled through a *fake* twin instead (:mod:`.fake`), whose
+  tensors autocast casts.
 * **offload** needs a device to copy from: it is not measured from shapes.
 """
 
@@ -49,12 +51,13 @@ import copy
 import inspect
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from .._bytes import meta_holds_bytes
@@ -72,6 +75,11 @@ def is_meta(model: nn.Module, args: Any) -> bool:
     tensors_in(args, found)
     first = next(iter([*model.parameters(), *found]), None)
     return first is not None and first.is_meta
+
+
+def no_data(t: torch.Tensor) -> bool:
+    """Whether ``t`` has shapes only: a meta tensor, or a fake one (its storage on meta)."""
+    return t.is_meta or isinstance(t, FakeTensor)
 
 
 def target_device(device: str | torch.device | None, where: str) -> torch.device:
@@ -198,25 +206,32 @@ def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | N
     return torch.where(mask, 0.0, ninf)
 
 
-_LOW = (torch.bfloat16, torch.float16)
-
-
 class CpuStatistics(TorchDispatchMode):
-    """Inside, the normalisations on meta tensors return their statistics in the dtype CPU's
-    kernels do: layer norm's mean and reciprocal deviation in the input's dtype, batch norm's
-    saved mean and inverse deviation in the weight's (else the input's); the meta kernels
-    return them in float32, as CUDA's do. Saved for backward, they are bytes of the step."""
+    """Inside, the normalisations on meta (and fake) tensors return their statistics in the
+    dtype CPU's kernels do: layer (and group) norm's mean and reciprocal deviation in the input's dtype
+    (float32 where the weight's dtype is another: a bfloat16 input under autocast), batch
+    norm's saved mean and inverse deviation in the weight's (else the input's); the meta
+    kernels return them in float32, as CUDA's do (or in the input's, for a fake tensor's
+    mixed layer norm), and group norm's input gradient in the input's dtype. Saved for
+    backward, they are bytes of the step."""
 
     _LAYER = torch.ops.aten.native_layer_norm.default
+    _GROUP = torch.ops.aten.native_group_norm.default
+    _GROUP_BACKWARD = torch.ops.aten.native_group_norm_backward.default
     _BATCH = torch.ops.aten.native_batch_norm.default
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if func is self._LAYER or func is self._BATCH:
+        if func is self._GROUP_BACKWARD and no_data(args[1]) and out[0] is not None:
+            if out[0].dtype != args[1].dtype:  # the meta kernel's is float32 for mixed stats
+                return (out[0].to(args[1].dtype), *out[1:])
+        if func is self._LAYER or func is self._GROUP or func is self._BATCH:
             x = args[0]
             weight = args[2] if func is self._LAYER else args[1]
             dtype = weight.dtype if func is self._BATCH and weight is not None else x.dtype
-            if x.is_meta and dtype in _LOW and out[1].dtype != dtype:
+            if func is not self._BATCH and weight is not None and weight.dtype != x.dtype:
+                dtype = torch.float32  # mixed (autocast's bf16 input, float32 weight)
+            if no_data(x) and out[1].dtype != dtype:
                 return (out[0], *(t.to(dtype) for t in out[1:]))
         return out
 
@@ -250,6 +265,20 @@ def twin(
         >>> m.weight.is_meta, x.is_meta, type(o).__name__, o.defaults["lr"]
         (True, True, 'SGD', 0.1)
     """
+    return copy_model(model, args, kwargs, optimizer, _meta_of)
+
+
+def copy_model(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    optimizer: torch.optim.Optimizer | None,
+    copy_of: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any], torch.optim.Optimizer | None]:
+    """A copy of the model, its inputs and its optimizer in which each parameter, buffer
+    and input is ``copy_of`` it (one copy per tensor): :func:`twin`'s, and the fake twin's
+    (:func:`remat.planner.fake.fake_twin`). Raises ``TypeError`` for a distributed model or
+    a parameter of a tensor subclass."""
     if isinstance(model, nn.parallel.DistributedDataParallel):
         raise TypeError("a DistributedDataParallel model is profiled on its device")
     memo: dict[int, Any] = {}
@@ -257,12 +286,12 @@ def twin(
         if type(t) not in (torch.Tensor, nn.Parameter):
             raise TypeError(f"a parameter of type {type(t).__name__} is profiled on its device")
         if id(t) not in memo:
-            memo[id(t)] = _meta_of(t)
+            memo[id(t)] = copy_of(t)
     found: list[torch.Tensor] = []
     tensors_in((args, kwargs), found)
     for t in found:
         if id(t) not in memo:
-            memo[id(t)] = _meta_of(t)
+            memo[id(t)] = copy_of(t)
     for mod in model.modules():  # hooks are shared, not copied: they belong to their owners
         for name, value in vars(mod).items():
             if name.endswith("hooks") and isinstance(value, dict):
@@ -364,7 +393,7 @@ class _OneSequenceARow:
         self.found = found
 
     def __call__(self, position_ids: torch.Tensor) -> Any:
-        return None if position_ids.is_meta else self.found(position_ids)
+        return None if no_data(position_ids) else self.found(position_ids)
 
 
 def _meta_of(t: torch.Tensor) -> torch.Tensor:

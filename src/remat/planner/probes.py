@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .. import memory
 from .._bytes import leaves, shares_storage, storage_bytes, storages
@@ -90,7 +91,8 @@ def storage_sizes(
     out, seen = [], set()
     for r in refs:
         t = r()
-        if t is None or type(t) is not torch.Tensor:  # a subclass's storage is its own
+        # a subclass's storage is its own; a fake tensor's (a profile from shapes) on meta
+        if t is None or (type(t) is not torch.Tensor and not isinstance(t, FakeTensor)):
             continue
         if device is not None and t.device != device:
             continue
