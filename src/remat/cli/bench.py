@@ -143,9 +143,7 @@ def _config(args: argparse.Namespace) -> tuple[ModelConfig, int, str]:
         raise UsageError(
             f"--model: unknown model {args.model!r}; choose one of: {', '.join(MODELS)}."
         )
-    size = (
-        "quick" if args.quick else "large" if args.large else "deep" if args.deep else "default"
-    )
+    size = "quick" if args.quick else "large" if args.large else "deep" if args.deep else "default"
     preset = PRESETS[size]
     cfg = preset.config(args.model)
     steps = preset.rounds
