@@ -105,3 +105,29 @@ def test_verify_refuses_a_model_on_the_meta_device(tmp_path, capsys):
     )
     rc = main(["verify", f"{path}:make", "--budget", "50%"])
     assert "a model on the meta device has none" in one_error_line(capsys.readouterr().err, 2, rc)
+
+
+def test_gradients_that_differ_exit_1_after_the_report(tmp_path, capsys):
+    # a forward that counts its calls: the recompute scales by another number
+    path = _write(
+        tmp_path,
+        "counting_models.py",
+        "import torch, remat\n"
+        "class Counting(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.lin = torch.nn.Linear(4, 4)\n"
+        "        self.calls = 0\n"
+        "    def forward(self, x):\n"
+        "        self.calls += 1\n"
+        "        return (self.lin(x) * self.calls).sin()\n"
+        "def make():\n"
+        "    torch.manual_seed(0)\n"
+        "    model = torch.nn.Sequential(Counting(), Counting())\n"
+        "    remat.apply_activation_checkpointing(model)\n"
+        "    return model, (torch.randn(2, 4),)\n",
+    )
+    assert main(["verify", f"{path}:make"]) == 1
+    done = capsys.readouterr()
+    assert "remat.verify: DIFFERENCES FOUND" in done.out
+    assert done.err.startswith("remat verify: error: ") and "differ with checkpointing" in done.err
