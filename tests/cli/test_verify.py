@@ -76,6 +76,7 @@ def _write(tmp_path, name, text):
         ),
         (["--plan", "p.json", "--budget", "50%"], "not allowed with argument"),
         (["--blocks", "blocks.*"], "--blocks 'blocks.*' picks the blocks to plan for --budget"),
+        (["--timer", "flops"], "--timer flops prices a plan made for --budget"),
         (["--budget", "abc"], "--budget 'abc'"),
         (["--budget", "50%", "--blocks", "layer.*"], "--blocks 'layer.*' selects no module"),
     ],

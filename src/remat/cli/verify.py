@@ -86,7 +86,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--timer",
         choices=("time", "measured", "flops"),
-        default="time",
+        default=None,
         help="with --budget: how the planner prices recompute (see remat plan --help; "
         "default: time)",
     )
@@ -99,6 +99,11 @@ def _check(args: argparse.Namespace) -> Plan | None:
     if args.target is not None and args.model is not None:
         raise UsageError(
             f"--model {args.model} picks a built-in model: drop it, or drop {args.target}."
+        )
+    if args.timer is not None and args.budget is None:
+        raise UsageError(
+            f"--timer {args.timer} prices a plan made for --budget; a saved plan is priced "
+            "already: add --budget, or drop --timer."
         )
     if args.blocks is not None:
         if args.budget is None:
@@ -162,7 +167,7 @@ def main(args: argparse.Namespace) -> int:
                     optimizer=opt,
                     set_to_none=not args.keep_grads,
                     check_fn=pick,
-                    timer=args.timer,
+                    timer=args.timer or "time",
                 )
                 chosen = plan(prof, args.budget)
                 chosen.apply(model)
