@@ -50,7 +50,8 @@ def add_parser(sub: Any) -> None:
     """Register ``bench`` on the subparsers object of ``remat``'s parser."""
     p = sub.add_parser(
         "bench",
-        help="benchmark checkpointing strategies on a built-in model (about a minute)",
+        help=f"benchmark checkpointing strategies on a built-in model (about a minute on a quiet "
+        f"{MACHINE})",
         description=(
             "Run checkpointing strategies on a built-in model and print peak memory, activation "
             "memory, step time, their ratios to no checkpointing with their spread, and which "
