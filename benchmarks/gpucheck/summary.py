@@ -39,8 +39,9 @@ def part_line(name: str, found: dict[str, Any]) -> str:
             f"allocator - predicted {r['allocated'] - r['predicted']}"
             for r in found.get("rows", [])
         )
-    if name == "bench":
-        return found.get("recommendation", "")
+    if name == "bench":  # one line per memory level, joined for the table's cell
+        lines = found.get("recommendation", "").splitlines()
+        return "; ".join(line.strip() for line in lines[1:]) or "".join(lines)
     if name == "offload":
         cases = found.get("cases", {})
         return "; ".join(
@@ -177,7 +178,8 @@ def _render_bench(found: dict[str, Any]) -> list[str]:
         "",
     ]
     if "table" in found:
-        lines += ["```text", found["table"], "```", "", found["how"], found["recommendation"]]
+        lines += ["```text", found["table"], "```", "", found["how"], ""]
+        lines += ["```text", found["recommendation"], "```", ""]  # one line per memory level
         lines.append(found["noise"])
     elif "last_done" in found:
         lines.append(f"Stopped after {found['last_done']}.")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from remat.bench import report
-from tests.support.bench import QUIET, make_result
+from tests.support.bench import ACT, QUIET, make_result
 
 
 def test_spread_labels_keep_order_and_gap_within_bounds():
@@ -53,3 +53,20 @@ def test_picture_labels_and_caption_never_overlap(tmp_path):
         for b in boxes[i + 1 :]:
             assert not a.overlaps(b), (a, b)
     assert len(labels) == len(result.rows)
+
+
+def test_axes_and_labels_name_the_columns_they_show(tmp_path):
+    pytest.importorskip("matplotlib", reason="the plot extra (remat[plot]) is not installed")
+    from remat.bench.plot import plot
+
+    result = make_result(QUIET, ACT)
+    fig, labels = plot(result.rows, str(tmp_path / "b.png"), caption=[report.recommendation(result)])
+    ax = fig.axes[0]
+    assert "act x column" in ax.get_ylabel() and "time x column" in ax.get_xlabel()
+    full = next(r for r in result.rows if r.strategy == "full")
+    # the label's ratios are the act x and time x columns, named as such (not "memory")
+    assert f"full: {full.activation_ratio:.2f}x act, {full.time_ratio:.2f}x time" in [
+        t.get_text() for t in labels
+    ]
+    # the recommendation's lines stay lines under the axes
+    assert "\n  0.48x the activations: auto-50%" in fig.texts[0].get_text()

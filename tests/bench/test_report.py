@@ -17,11 +17,12 @@ def test_quiet_run_recommends_the_fastest_at_each_memory_level_and_names_ties():
     assert not result.noise.noisy
     assert [r.strategy for r in result.recommended()] == ["full", "auto-50%", "none"]
     text = report.recommendation(result)
-    assert text.startswith("Recommendation: for the least memory use full (0.20x the activations")
-    assert "for 0.48x, auto-50% (1.05x)" in text and "with memory to spare, none" in text
-    assert "torch-full (as full)" in text  # same memory, overlapping spread
+    assert text.splitlines()[1:] == [  # one line per memory level, least memory first
+        "  0.20x the activations: full, 1.30x the step time (as fast: torch-full)",
+        "  0.48x the activations: auto-50%, 1.05x the step time",
+        "  1.00x the activations: none (no checkpointing), with memory to spare",
+    ]
     assert "every-2nd" not in text  # more memory than auto-50% and slower: not a choice
-    assert text.count(". ") <= 2  # one or two sentences
     assert "Timing:" in result.noise.describe() and "a quiet run" in result.noise.describe()
 
 
@@ -30,7 +31,7 @@ def test_noisy_reference_is_detected_and_said():
     result = make_result({k: v for k, v in noisy.items()}, ACT)
     assert result.noise.noisy and result.noise.reference_spread > stats.NOISY_REFERENCE
     assert result.noise.describe().startswith("Noisy machine:")
-    assert report.recommendation(result).endswith("Noisy run: see the timing note.")
+    assert report.recommendation(result).splitlines()[-1] == "Noisy run: see the timing note."
 
 
 def test_table_shows_spread_ties_and_footnotes():
@@ -79,3 +80,21 @@ def test_json_has_everything_the_table_and_picture_show():
     assert data["recommendation"]["fastest_per_memory"] == ["full", "auto-30%", "auto-50%", "none"]
     assert data["noise"]["text"] == result.noise.describe()
     assert data["timing"]["clock"] == "cpu" and data["timing"]["rounds"] == 5
+
+
+def test_recommendation_names_each_strategy_once_when_levels_tie():
+    # the run: full, torch-full, auto-30% and auto-50% all within one spread; the
+    # answer was "full, torch-full (as auto-30%); full, auto-30% (as auto-50%)"
+    times = {
+        "none": [1.00, 1.00, 1.00, 1.00, 1.00],
+        "full": [1.30, 1.34, 1.28, 1.31, 1.33],
+        "torch-full": [1.33, 1.30, 1.29, 1.32, 1.31],
+        "auto-30%": [1.29, 1.33, 1.30, 1.31, 1.32],
+        "auto-50%": [1.31, 1.30, 1.32, 1.29, 1.33],
+    }
+    act = {"none": 1000, "full": 240, "torch-full": 240, "auto-30%": 300, "auto-50%": 470}
+    text = report.recommendation(make_result(times, act))
+    assert text.splitlines()[1:] == [
+        "  0.24x the activations: full, 1.31x the step time (as fast: torch-full)",
+        "  1.00x the activations: none (no checkpointing), with memory to spare",
+    ]

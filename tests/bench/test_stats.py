@@ -48,9 +48,34 @@ def test_tie_letters_group_rows_whose_spreads_overlap(spreads, letters):
             assert bool(set(got[i]) & set(got[j])) == overlap
 
 
-def test_fastest_per_memory_walks_from_the_least_memory_up():
-    # two rows at the least memory: the faster one; a row slower than a smaller one: left out
-    assert stats.fastest_per_memory([100, 20, 20, 50, 60], [1.0, 1.3, 1.25, 1.1, 1.2]) == [2, 3, 0]
+def _s(median: float, half: float = 0.01) -> stats.Spread:
+    return stats.Spread(median, median - half, median + half)
+
+
+def test_recommend_walks_from_the_least_memory_up_and_keeps_levels_told_apart():
+    # two rows at the least memory told apart: the faster; a row slower than a smaller one:
+    # left out; the reference, faster than all: taken
+    got = stats.recommend([100, 20, 20, 50, 60], [_s(1.0), _s(1.3), _s(1.25), _s(1.1), _s(1.2)])
+    assert got == [stats.Choice(2), stats.Choice(3), stats.Choice(0)]
+
+
+def test_recommend_names_a_tie_at_one_level_once_and_drops_a_tie_with_more_memory():
+    spreads = [_s(1.0), _s(1.30, 0.03), _s(1.29, 0.03), _s(1.28, 0.03), _s(1.1)]
+    got = stats.recommend([100, 20, 20, 30, 50], spreads)
+    # full (row 1) stands for its level although torch-full (row 2) has the lower median;
+    # the 30% row is as fast as full with more memory: not a level of its own
+    assert got == [stats.Choice(1, (2,)), stats.Choice(4), stats.Choice(0)]
+
+
+@pytest.mark.parametrize("jitter", [-0.01, -0.005, 0.0, 0.005, 0.01])
+def test_recommend_is_the_same_when_noise_reorders_tied_medians(jitter):
+    # run to run, tied rows swap medians by a few per mille: the answer stays
+    spreads = [_s(1.0), _s(1.30 + jitter, 0.03), _s(1.30 - jitter, 0.03), _s(1.29, 0.03), _s(1.1)]
+    assert stats.recommend([100, 20, 20, 30, 50], spreads) == [
+        stats.Choice(1, (2,)),
+        stats.Choice(4),
+        stats.Choice(0),
+    ]
 
 
 def test_load_above_the_cpus_counts_as_noisy_only_for_wall_clock_timing():
@@ -58,3 +83,13 @@ def test_load_above_the_cpus_counts_as_noisy_only_for_wall_clock_timing():
     busy = dict(load_average=5.0, cpus=2)
     assert stats.noise(ref, [], wall_clock=True, **busy).noisy
     assert not stats.noise(ref, [], wall_clock=False, **busy).noisy
+
+
+def test_a_tie_is_named_only_when_within_the_chosen_rows_spread():
+    # the bench run on the 2-core machine: auto-30% (wide spread) the fastest by median,
+    # full and torch-full both within it, but torch-full told apart from full
+    spreads = [_s(1.0, 0.0), _s(1.23, 0.02), _s(1.39, 0.04), stats.Spread(1.18, 1.08, 1.37)]
+    assert stats.recommend([100, 24, 24, 24], spreads) == [
+        stats.Choice(1, (3,)),  # full, as fast as auto-30%; not torch-full
+        stats.Choice(0),
+    ]

@@ -90,7 +90,7 @@ def test_bench_json_has_environment_and_rows(bench_json):
     ]
     assert [s["strategy"] for s in data["skipped"]] == ["offload", "offload-blocks"]
     assert data["timing"]["threads"] == 1 and data["timing"]["clock"] == "cpu"
-    assert data["recommendation"]["text"].startswith("Recommendation: ")
+    assert data["recommendation"]["text"].startswith("Recommendation (the fastest at each memory")
     assert data["outputs"]["json"].endswith("bench.json")
 
 
@@ -307,3 +307,14 @@ def test_deep_preset_runs_the_floor_comparison_by_default():
     chosen, skipped = _strategies(None, torch.device("cpu"), "deep")
     assert [s.name for s in chosen] == list(DEEP) and skipped == []
     assert "torch-2nd" in DEEP and any(n.startswith("auto-floor-") for n in DEEP)
+
+
+def test_bench_help_says_each_size_once_with_its_duration_and_machine(capsys):
+    assert main(["bench", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for phrase in ("and every strategy", "plans below the floor", "a smoke test"):
+        assert text.count(phrase) == 1, phrase  # was said in the description and again
+    for size in ("quick", "large", "deep"):
+        option = text.split(f"--{size} ", 2)[-1].split(" --", 1)[0]  # the option's own help
+        assert option.count("about ") == 1, option
+    assert "on a quiet 2-core AMD EPYC CPU" in text

@@ -48,7 +48,7 @@ def test_all_lists_every_tensor_and_top_the_largest(capsys, tmp_path):
 
 
 def test_wrap_checkpoints_the_blocks_first(capsys):
-    assert main(["explain", f"{MODELS}:gpt", "--wrap", "--top", "0"]) == 0
+    assert main(["explain", f"{MODELS}:gpt", "--wrap", "--top", "1"]) == 0
     text = capsys.readouterr().out
     assert "checkpointed 3 blocks" in text
     assert "region input" in text
@@ -57,7 +57,8 @@ def test_wrap_checkpoints_the_blocks_first(capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--top", "-1"], "--top -1: pass a number of rows >= 0"),
+        (["--top", "-1"], "--top -1: pass a number of rows >= 1"),
+        (["--top", "0"], "--top 0: pass a number of rows >= 1"),  # an empty table: --all or N
         ([f"{MODELS}:gpt", "--model", "mlp"], "--model mlp picks a built-in model"),
         (["--model", "resnet"], "unknown model 'resnet'"),
         (["--json", "/nonexistent/dir/x.json"], "does not exist"),
@@ -95,3 +96,13 @@ def test_explain_runs_the_builtin_model_without_a_factory(capsys, tmp_path):
     assert "remat explain: built-in gpt" in text and "checkpointed 6 blocks" in text
     data = json.loads(out.read_text())
     assert sum(row["bytes"] for row in data["tensors"]) == data["total_bytes"]
+
+
+def test_wrap_blocks_picks_the_blocks_to_checkpoint(capsys):
+    assert main(["explain", f"{MODELS}:gpt", "--wrap", "--blocks", "blocks.1"]) == 0
+    assert "checkpointed 1 blocks" in capsys.readouterr().out
+
+
+def test_blocks_without_wrap_says_to_add_it(capsys):
+    assert main(["explain", f"{MODELS}:gpt", "--blocks", "blocks.*"]) == 2
+    assert "picks the blocks --wrap checkpoints: add --wrap" in capsys.readouterr().err

@@ -323,7 +323,7 @@ def test_plan_file_target_json_reads_back_and_solvers_agree(factories, tmp_path,
         argv = ["plan", f"{factories}:good", "--budget", "70%", "--timer", "flops"]
         per_block = ["--no-spans"] if solver == "dp" else []  # milp plans per block
         assert main([*argv, "--solver", solver, *per_block, "--json", str(path)]) == 0
-        outs.append(capsys.readouterr().out)
+        outs.append(capsys.readouterr().out.replace(str(path), "FILE"))
         plans.append(remat.Plan.from_json(path.read_text()))
     assert outs[0] == outs[1] and plans[0] == plans[1]  # flops: the same output every run
     assert "unchecked step peak 263.51 KiB (before it starts: 14.47 KiB" in outs[0]  # was "0.00 MiB"
@@ -347,3 +347,50 @@ def test_plan_diagnose_applies_the_plan_and_prints_the_probed_warnings(capsys):
     out = capsys.readouterr().out
     # the built-in MLP's blocks, planned at 60%, checkpoint cleanly: no warning, table intact
     assert "predicted step peak" in out and "warning:" not in out
+
+
+def test_plan_help_prints_its_example_and_every_default(capsys):
+    assert main(["plan", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "remat plan --budget 50%)" in text and "%%" not in text  # argparse's escape, once
+    assert "(default: time)" in text  # --timer says its default
+    assert "remat.Plan.load(FILE).apply(model)" in text and "--blocks PATTERN" in text
+
+
+LM = os.path.join(os.path.dirname(os.path.dirname(__file__)), "support", "explain_models.py")
+LM += ":keyword_lm"
+
+
+def test_plan_header_names_the_unit_of_the_adds_column(capsys):
+    assert main(["plan", LM, "--budget", "70%", "--timer", "flops"]) == 0
+    text = capsys.readouterr().out
+    assert "'adds': its FLOPs" in text and "cost in" not in text
+    assert " FLOP\n" in text  # the rows in the unit the header names
+
+
+def test_blocks_picks_the_blocks_to_plan(capsys):
+    argv = ["plan", LM, "--budget", "90%", "--timer", "flops", "--blocks", "blocks.1,blocks.2"]
+    assert main(argv) == 0
+    rows = capsys.readouterr().out.split("module", 1)[1].splitlines()
+    assert [r.split()[0] for r in rows[1:3]] == ["blocks.1", "blocks.2"]
+    assert rows[3].startswith("total")
+
+
+@pytest.mark.parametrize(
+    "blocks, text",
+    [
+        ("", "--blocks '': an empty pattern"),  # checked before the factory runs
+        ("layers.*", "--blocks 'layers.*' selects no module of KeywordLM: its repeated blocks "
+         "are blocks.0, blocks.1, blocks.2 (--blocks 'blocks.*')"),  # fmt: skip
+    ],
+)
+def test_blocks_that_select_nothing_say_what_would(blocks, text, capsys):
+    rc = main(["plan", LM, "--budget", "70%", "--blocks", blocks])
+    assert text in one_error_line(capsys.readouterr().err, 2, rc)
+
+
+def test_a_plan_error_from_the_shell_names_the_flag_not_check_fn(capsys):
+    rc = main(["plan", LM, "--budget", "1KiB", "--timer", "flops"])
+    err = one_error_line(capsys.readouterr().err, 2, rc)
+    assert "no plan keeps the predicted step peak" in err
+    assert "--blocks PATTERN" in err and "check_fn" not in err

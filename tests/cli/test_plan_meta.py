@@ -98,7 +98,8 @@ def test_calibration_file_prices_a_plan_for_cuda_without_a_gpu(transformers, tmp
     args = ["plan", *HF, "--budget", "90%", "--device", "cuda", "--calibration", str(saved)]
     assert main(args) == 0
     text = capsys.readouterr().out
-    assert f"cost in s priced with calibration {saved}" in text
+    assert f"'adds': the time a decision adds to a step priced with calibration {saved}" in text
+    assert "cost in s" not in text and " ms" in text  # the unit the table's rows use
 
 
 @pytest.mark.parametrize(

@@ -134,3 +134,46 @@ def test_every_numeric_field_says_what_the_shape_fit_does_with_it(cls):
         assert fit in want, f"{cls.__name__}.{f.name}: fit {fit}"
         assert f.metadata.get("agree") in ("max", "min"), f.name
         assert (fit is Fit.BOUND) == ("scratch" in f.name), f.name
+
+
+# ---------------------------------------------------------------- plan files on disk
+
+
+def _small_plan() -> Plan:
+    return Plan(
+        decisions={"blocks.0": "recompute", "blocks.1": "keep"},
+        predicted_peak_bytes=3 * 2**20,
+        predicted_overhead_s=0.012,
+        unchecked_peak_bytes=5 * 2**20,
+        budget_bytes=4 * 2**20,
+    )
+
+
+def test_plan_save_and_load_round_trip_through_a_file(tmp_path):
+    p = _small_plan()
+    path = tmp_path / "plan.json"
+    p.save(path)  # a pathlib.Path
+    assert remat.Plan.load(path) == p
+    assert remat.Plan.load(str(path)) == p  # and a str
+    assert remat.Plan.from_json(path.read_text()) == p  # from_json still takes the text
+
+
+def test_plan_from_json_given_a_path_says_to_call_load(tmp_path):
+    path = tmp_path / "plan.json"
+    _small_plan().save(path)
+    with pytest.raises(PlanError, match=r"is a file: read it with Plan.load\("):
+        remat.Plan.from_json(str(path))
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("not json", "the text is not JSON"),  # a truncated or foreign file
+        ("[1, 2]", "expected a JSON object, got list"),  # JSON, but not a plan
+    ],
+)
+def test_plan_load_names_the_file_it_cannot_read_as_a_plan(text, match, tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(PlanError, match=f"Plan.load\\('{re.escape(str(path))}'\\): {match}"):
+        remat.Plan.load(path)

@@ -173,3 +173,36 @@ def llama_ids() -> tuple[nn.Module, tuple[Any, ...]]:
     model, inputs = llama()
     remat.apply_activation_checkpointing(model)
     return model, (inputs["input_ids"],)
+
+
+class KeywordLM(nn.Module):
+    """A tiny language model whose ``forward`` takes keyword inputs only and returns its own
+    loss, as a Hugging Face model does (``model(input_ids=ids, labels=ids)``)."""
+
+    def __init__(self, vocab: int = 64, d: int = 32, layers: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+            for _ in range(layers)
+        )
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, *, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        for block in self.blocks:
+            h = h + block(h)
+        return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def keyword_lm() -> tuple[nn.Module, remat.Inputs]:
+    """:class:`KeywordLM` and its keyword inputs as one :class:`remat.Inputs`."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (8, 64), generator=torch.Generator().manual_seed(1))
+    return KeywordLM(), remat.Inputs(input_ids=ids, labels=ids)
+
+
+def keyword_lm_in_a_tuple() -> tuple[nn.Module, tuple[Any, ...]]:
+    """A mistake: the :class:`remat.Inputs` of :func:`keyword_lm` inside a tuple."""
+    model, inputs = keyword_lm()
+    return model, (inputs,)

@@ -70,12 +70,10 @@ class Preset:
 
 
 PRESETS = {
-    "quick": Preset(4, 128, 64, 2, 4, 256, 5, "a smoke test, about 15 s"),
+    "quick": Preset(4, 128, 64, 2, 4, 256, 5, "about 15 s"),
     "default": Preset(6, 256, 128, 4, 4, 512, 6, "about a minute"),
-    "large": Preset(6, 384, 256, 4, 6, 512, 9, "every strategy, about 5 minutes"),
-    "deep": Preset(
-        16, 128, 1024, 2, 4, 256, 3, "plans below the every-block floor, about 3 minutes", 0.0
-    ),
+    "large": Preset(6, 384, 256, 4, 6, 512, 9, "about 5 minutes"),
+    "deep": Preset(16, 128, 1024, 2, 4, 256, 3, "about 3 minutes", 0.0),
 }
 """``remat bench``'s sizes (``--quick``, the default, ``--large``). Times are wall time on
 the project's 2-core CPU machine when it is quiet (docs/BENCHMARKS.md)."""

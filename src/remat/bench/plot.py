@@ -1,7 +1,8 @@
 """The memory/time picture of ``remat bench`` (matplotlib: the ``remat[plot]`` extra).
 
-One point per strategy: activation memory against step time, both as ratios to
-no checkpointing, with the time spread as a horizontal bar. The recommended
+One point per strategy: its activations against its step time, both as ratios to
+no checkpointing (the table's ``act x`` and ``time x`` columns, and each label says
+``act`` and ``time``), with the time spread as a horizontal bar. The recommended
 strategies (the fastest at each memory level) are filled and joined by a line.
 Labels sit in a column right of the axes, one line apart, each joined to its
 point by a thin line, so they never overlap however close the points are. The
@@ -13,6 +14,12 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Sequence
 from typing import Any
+
+X_LABEL = "step time / no checkpointing: the time x column (bar: its spread over rounds)"
+"""The x axis: the table's ``time x`` column."""
+
+Y_LABEL = "activations / no checkpointing: the act x column"
+"""The y axis: the table's ``act x`` column (not ``mem x``, the whole step's peak)."""
 
 LABEL_LINE = 1.35
 """Distance between two labels, in font heights."""
@@ -103,7 +110,8 @@ def plot(
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise ImportError("the picture needs matplotlib: pip install 'remat[plot]'") from e
-    wrapped = [textwrap.fill(p, 120) for p in caption]
+    # each line of a paragraph wrapped alone: the recommendation is one line per level
+    wrapped = ["\n".join(textwrap.fill(line, 120) for line in p.splitlines()) for p in caption]
     caption_lines = sum(p.count("\n") + 1 for p in wrapped)
     height = 5.2 + 0.16 * caption_lines
     fig = plt.figure(figsize=(10, height))
@@ -144,8 +152,8 @@ def plot(
     ax.set_xlim(lo - pad, hi + pad)
     top = max(r.activation_ratio for r in rows)
     ax.set_ylim(0, top * 1.08 + 0.02)
-    ax.set_xlabel("step time / no checkpointing (bar: spread over rounds)")
-    ax.set_ylabel("activation memory / no checkpointing")
+    ax.set_xlabel(X_LABEL)
+    ax.set_ylabel(Y_LABEL)
     ax.set_title(title, fontsize=11)
     ax.grid(True, alpha=0.3)
     # the label column: one line apart, each joined to its point
@@ -162,7 +170,7 @@ def plot(
     labels = []
     for r, y in zip(rows, ys):
         text = (
-            f"{r.strategy}{marks.get(r.strategy, '')}: {r.activation_ratio:.2f}x memory, "
+            f"{r.strategy}{marks.get(r.strategy, '')}: {r.activation_ratio:.2f}x act, "
             f"{r.time_ratio:.2f}x time"
         )
         labels.append(

@@ -69,47 +69,35 @@ def how_measured(result: Result) -> str:
 
 
 def recommendation(result: Result) -> str:
-    """One or two sentences: the fastest strategy at each memory level, and its ties.
+    """One line per recommended memory level, least memory first
+    (:func:`remat.bench.stats.recommend`): the strategy that stands for it, its
+    activations and step time as ratios to no checkpointing (the ``act x`` and ``time x``
+    columns), and the strategies as fast as it at that memory, each named once.
 
     Example (the shape of the text)::
 
-        Recommendation: for the least memory use full (0.24x the activations, 1.36x the
-        step time); for 0.47x, auto-50% (1.15x); with memory to spare, none (no
-        checkpointing). As fast within the noise, with no more memory: torch-full (as
-        full); auto-30% (as auto-50%).
+        Recommendation (the fastest at each memory level; rows within each other's spread
+        count as equally fast):
+          0.24x the activations: full, 1.36x the step time (as fast: torch-full)
+          0.47x the activations: auto-50%, 1.15x the step time
+          1.00x the activations: none (no checkpointing), with memory to spare
     """
-    front = result.recommended()
-    parts = []
-    for k, r in enumerate(front):
+    lines = [
+        "Recommendation (the fastest at each memory level; rows within each other's spread "
+        "count as equally fast):"
+    ]
+    for c in result.choices():
+        r = result.rows[c.row]
         if r.strategy == result.reference:
-            parts.append(f"with memory to spare, {r.strategy} (no checkpointing)")
-        elif k == 0:
-            parts.append(
-                f"for the least memory use {r.strategy} ({r.activation_ratio:.2f}x the "
-                f"activations, {r.time_ratio:.2f}x the step time)"
-            )
+            what = f"{r.strategy} (no checkpointing), with memory to spare"
         else:
-            parts.append(f"for {r.activation_ratio:.2f}x, {r.strategy} ({r.time_ratio:.2f}x)")
-    text = "Recommendation: " + "; ".join(parts) + "."
-    ties = []
-    for r in front:
-        if r.strategy == result.reference:
-            continue
-        same = [
-            o.strategy
-            for o in result.rows
-            if o is not r
-            and o.strategy != result.reference
-            and round(100 * o.activation_ratio) <= round(100 * r.activation_ratio)
-            and set(o.ties) & set(r.ties)
-        ]
-        if same:
-            ties.append(f"{', '.join(same)} (as {r.strategy})")
-    if ties:
-        text += " As fast within the noise, with no more memory: " + "; ".join(ties) + "."
+            what = f"{r.strategy}, {r.time_ratio:.2f}x the step time"
+        if c.ties:
+            what += f" (as fast: {', '.join(result.rows[i].strategy for i in c.ties)})"
+        lines.append(f"  {r.activation_ratio:.2f}x the activations: {what}")
     if result.noise.noisy:
-        text += " Noisy run: see the timing note."
-    return text
+        lines.append("Noisy run: see the timing note.")
+    return "\n".join(lines)
 
 
 def to_json(

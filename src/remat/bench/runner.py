@@ -115,14 +115,16 @@ class Result:
     load_average: tuple[float | None, float | None]
 
     def recommended(self) -> list[Row]:
-        """The fastest row at each memory level (activation ratio), least memory first."""
-        # memory levels as the table shows them (two decimals of the ratio): a plan a few
-        # KiB apart from another is the same level
-        idx = stats.fastest_per_memory(
+        """The row that stands for each recommended memory level, least memory first."""
+        return [self.rows[c.row] for c in self.choices()]
+
+    def choices(self) -> list[stats.Choice]:
+        """:func:`remat.bench.stats.recommend` of the rows: memory levels as the table shows
+        them (two decimals of the activation ratio: plans a few KiB apart are one level)."""
+        return stats.recommend(
             [round(100 * r.activation_ratio) for r in self.rows],
-            [r.time_ratio for r in self.rows],
+            [stats.Spread(r.time_ratio, r.time_ratio_low, r.time_ratio_high) for r in self.rows],
         )
-        return [self.rows[i] for i in idx]
 
 
 def load_average() -> float | None:

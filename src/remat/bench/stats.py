@@ -22,9 +22,16 @@ with fixed inputs.
   range over the median), or the load average exceeded the CPU count. Both
   thresholds were set on the project's 2-core CI machine: quiet runs stayed
   under 5% and 3%, runs sharing the cores with test suites went to 20-200%.
-* **Recommendation.** The fastest strategy (by median ratio) at each memory
-  level: walking from the least activation memory up, a row is recommended
-  when it is faster than every row that uses no more memory.
+* **Recommendation.** One strategy per memory level, chosen so that the same
+  machine gives the same answer run after run. Memory is measured exactly, so the
+  levels (rows of equal activation memory, as the table rounds it) do not move;
+  only times are noisy, so times decide only where they are told apart. At each
+  level the rows whose spreads overlap the fastest one's are as fast as it: the
+  first of them in the table's order (fixed) stands for the level, and the rows of
+  the level within its spread are named as its ties. Walking from the least memory up, a level is recommended when its
+  row is faster than the last recommended one beyond both spreads; a level whose
+  row is not told apart from it is left out (as fast, with more memory). A
+  ranking by medians alone would flip between rows a few percent apart.
 """
 
 from __future__ import annotations
@@ -187,21 +194,39 @@ def noise(
     )
 
 
-def fastest_per_memory(memory: Sequence[float], time_ratio: Sequence[float]) -> list[int]:
-    """Indices of the rows that are fastest at their memory level, least memory first.
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """One recommended memory level: the row that stands for it and its ties (row indices)."""
 
-    A row is kept when it is strictly faster than every row using no more memory
-    (among rows of equal memory, the fastest; the first on a tie).
+    row: int
+    ties: tuple[int, ...] = ()
+
+
+def recommend(memory: Sequence[int], spreads: Sequence[Spread]) -> list[Choice]:
+    """The recommended row of each memory level worth taking, least memory first (see the
+    module docstring): ties at a level go to the row listed first.
 
     Example:
-        >>> fastest_per_memory([100, 20, 20, 50, 60], [1.0, 1.3, 1.25, 1.1, 1.2])
-        [2, 3, 0]
+        >>> def s(m, lo, hi):
+        ...     return Spread(m, lo, hi)
+        >>> # none; full and torch-full (tied, torch-full's median lower); a 50% plan;
+        >>> # a 30% plan as fast as full (more memory: left out)
+        >>> rows = [s(1.0, 1.0, 1.0), s(1.31, 1.29, 1.33), s(1.30, 1.28, 1.32),
+        ...         s(1.1, 1.08, 1.12), s(1.3, 1.27, 1.34)]
+        >>> recommend([100, 20, 20, 48, 30], rows)
+        [Choice(row=1, ties=(2,)), Choice(row=3, ties=()), Choice(row=0, ties=())]
     """
-    order = sorted(range(len(memory)), key=lambda i: (memory[i], time_ratio[i], i))
-    out: list[int] = []
-    best = float("inf")
-    for i in order:
-        if time_ratio[i] < best:
-            out.append(i)
-            best = time_ratio[i]
+    levels: dict[int, list[int]] = {}
+    for i, m in enumerate(memory):
+        levels.setdefault(m, []).append(i)
+    out: list[Choice] = []
+    for m in sorted(levels):
+        rows = levels[m]
+        fastest = min(rows, key=lambda i: (spreads[i].median, i))
+        # the first in the table's order of the rows as fast as the fastest
+        row = next(i for i in rows if spreads[i].overlaps(spreads[fastest]))
+        if out and not spreads[row].high < spreads[out[-1].row].low:
+            continue  # not told apart from the last level taken, which uses less memory
+        ties = tuple(i for i in rows if i != row and spreads[i].overlaps(spreads[row]))
+        out.append(Choice(row, ties))
     return out

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(
         prog="remat",
-        description="Activation checkpointing for PyTorch: benchmark, plan and explain.",
+        description="Activation checkpointing for PyTorch: benchmark, plan, verify and explain.",
     )
     parser.add_argument(
         "--version",
@@ -58,12 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     bench.add_parser(sub)
     explain.add_parser(sub)
-    try:
-        plan = importlib.import_module(".plan", __name__)
-    except ImportError:  # the planner's command is not part of this build
-        plan = None
-    if plan is not None:
-        plan.add_parser(sub)
+    for name in (".plan", ".verify"):
+        try:
+            command = importlib.import_module(name, __name__)
+        except ImportError:  # the planner's commands are not part of this build
+            continue
+        command.add_parser(sub)
     try:
         args = parser.parse_args(_join_values(sys.argv[1:] if argv is None else list(argv)))
     except SystemExit as e:  # --help (0) or a usage error argparse has printed (2)

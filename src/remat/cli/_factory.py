@@ -1,10 +1,17 @@
-"""``MODULE:FACTORY`` and the built-in model: what ``remat plan`` and ``remat explain`` run.
+"""``MODULE:FACTORY`` and the built-in model: what ``remat plan``, ``explain`` and ``verify`` run.
 
 ``MODULE`` is a module importable from the current directory (or ``PYTHONPATH``)
 or the path of a Python file (``path/to/models.py:make``). ``FACTORY`` is called
 without arguments and returns ``(model, example_args)``: ``model`` an
-``nn.Module``, ``example_args`` a tuple of positional arguments for its forward
-(anything else is its only argument, a list included). Without a factory the
+``nn.Module``; ``example_args`` the inputs of one training step, as
+
+- a tuple: the positional arguments of ``forward`` (``(x,)``, ``(x, mask)``);
+- a :class:`remat.Inputs`: positional and keyword arguments
+  (``remat.Inputs(input_ids=ids, labels=ids)``), as the API takes them;
+- anything else: ``forward``'s only argument (a tensor, a list, a dict).
+
+Every subcommand reads the factory this one way (:func:`load_factory`) and hands the
+model its inputs as ``model(*inputs.args, **inputs.kwargs)``. Without a factory the
 commands take the built-in model of ``remat bench`` at its default size.
 """
 
@@ -19,7 +26,15 @@ from typing import Any
 
 import torch
 
+from ..planner.inputs import Inputs
 from ._usage import RunError, UsageError, describe
+
+FACTORY_HELP = (
+    "FACTORY is a function without arguments returning (model, example_args): example_args "
+    "is a tuple of forward's positional inputs, remat.Inputs(*args, **kwargs) for keyword "
+    "inputs too (remat.Inputs(input_ids=ids, labels=ids)), or forward's only input."
+)
+"""What every subcommand's ``--help`` says about ``MODULE:FACTORY``."""
 
 
 def add_target_arguments(p: argparse.ArgumentParser, verb: str) -> None:
@@ -80,7 +95,10 @@ def import_target(mod_name: str) -> Any:
         raise RunError(f"importing {mod_name} raised {describe(e)}") from None
 
 
-def load_factory(target: str) -> tuple[torch.nn.Module, tuple[Any, ...], bool]:
+def load_factory(target: str) -> tuple[torch.nn.Module, Inputs, bool]:
+    """The model ``target`` (``MODULE:FACTORY``) returns, its inputs as one :class:`Inputs`,
+    and whether ``example_args`` said how to pass them (a tuple or an ``Inputs``; else the
+    value is ``forward``'s only argument, and an error running it adds that hint)."""
     mod_name, _, attr = target.rpartition(":")  # the last colon, so a Windows path (C:...) works
     if not mod_name or not attr:
         raise UsageError(
@@ -121,12 +139,19 @@ def load_factory(target: str) -> tuple[torch.nn.Module, tuple[Any, ...], bool]:
             f"{target}() must return (model, example_args) with model an nn.Module, got a "
             f"{type(model).__name__} first; return (model, (input,))."
         )
+    if isinstance(example, Inputs):
+        return model, Inputs(*example.args, **example.kwargs), True
     if isinstance(example, tuple):
-        return model, example, True
-    return model, (example,), False
+        if any(isinstance(a, Inputs) for a in example):
+            raise UsageError(
+                f"{target}() returned a remat.Inputs inside a tuple; return it alone: "
+                "(model, remat.Inputs(*args, **kwargs))."
+            )
+        return model, Inputs(*example), True
+    return model, Inputs(example), False
 
 
-def builtin_model(name: str | None) -> tuple[torch.nn.Module, tuple[Any, ...], str]:
+def builtin_model(name: str | None) -> tuple[torch.nn.Module, Inputs, str]:
     """The default-size built-in model of ``remat bench``, its example input and a label."""
     from ..bench.models import MODELS, ModelConfig, build, example_input
 
@@ -139,7 +164,7 @@ def builtin_model(name: str | None) -> tuple[torch.nn.Module, tuple[Any, ...], s
         f"built-in {kind} ({cfg.layers} layers, d={cfg.d_model}{heads}, seq {cfg.seq}, "
         f"batch {cfg.batch})"
     )
-    return build(cfg), (example_input(cfg),), label
+    return build(cfg), Inputs(example_input(cfg)), label
 
 
 def factory_hint(target: str, example_was_tuple: bool) -> str:
@@ -148,5 +173,6 @@ def factory_hint(target: str, example_was_tuple: bool) -> str:
         return ""
     return (
         f" ({target}() returned example_args that is not a tuple: it was passed as the "
-        "model's only argument; return a tuple for several)"
+        "model's only argument; return a tuple for several, remat.Inputs(*args, **kwargs) "
+        "for keyword inputs)"
     )

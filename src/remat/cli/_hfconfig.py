@@ -87,5 +87,3 @@ def build(
         f"batch {batch} x seq {seq}"
     )
     return model, Inputs(input_ids=ids, labels=ids), label
-
-

@@ -38,6 +38,10 @@ from ._usage import RunError, UsageError, check_output_path, write_text
 PLOT_FORMATS = (".png", ".pdf", ".svg")
 """What ``--plot`` writes (chosen by the file's suffix); matplotlib's Agg backend draws them all."""
 
+MACHINE = "2-core AMD EPYC CPU"
+"""Where the durations of :data:`remat.bench.models.PRESETS` were measured (wall time, one
+thread; a busy machine takes longer: the header's estimate is this machine's)."""
+
 OUT_DIR = "remat-bench"
 """Where the JSON and the picture go by default (``--out``)."""
 
@@ -46,35 +50,37 @@ def add_parser(sub: Any) -> None:
     """Register ``bench`` on the subparsers object of ``remat``'s parser."""
     p = sub.add_parser(
         "bench",
-        help="benchmark checkpointing strategies on a built-in model (about a minute)",
+        help=f"benchmark checkpointing strategies on a built-in model (about a minute on a quiet "
+        f"{MACHINE})",
         description=(
             "Run checkpointing strategies on a built-in model and print peak memory, activation "
             "memory, step time, their ratios to no checkpointing with their spread, and which "
             f"strategy to pick. Writes {OUT_DIR}/bench.json and {OUT_DIR}/bench.png. The default "
-            f"run takes {PRESETS['default'].about} on a 2-core CPU; --quick {PRESETS['quick'].about}; "
-            f"--large: {PRESETS['large'].about}; --deep: {PRESETS['deep'].about}."
+            f"run takes {PRESETS['default'].about} on a quiet {MACHINE} (see --quick, --large, "
+            "--deep for the others)."
         ),
     )
+    large, deep = PRESETS["large"], PRESETS["deep"]
     size = p.add_mutually_exclusive_group()
     size.add_argument(
         "--quick",
         action="store_true",
-        help=f"a small model and {PRESETS['quick'].rounds} rounds ({PRESETS['quick'].about}); "
-        "an explicit --layers, --d-model, --seq, --batch or --steps wins over it",
+        help=f"a smoke test: a small model and {PRESETS['quick'].rounds} rounds "
+        f"({PRESETS['quick'].about}); an explicit --layers, --d-model, --seq, --batch or --steps "
+        "wins over it",
     )
     size.add_argument(
         "--large",
         action="store_true",
-        help=f"the bigger model (6 layers, d-model 384, seq 256) and every strategy "
-        f"({PRESETS['large'].about})",
+        help=f"the bigger model ({large.layers} layers, d-model {large.d_model}, seq {large.seq}) "
+        f"and every strategy ({large.about})",
     )
-    deep = PRESETS["deep"]
     size.add_argument(
         "--deep",
         action="store_true",
         help=f"a deep long-sequence gpt ({deep.layers} layers, d-model {deep.d_model}, seq "
-        f"{deep.seq}, fused attention) with checkpointing every (2nd) block, remat's and torch's, "
-        f"beside plans below that per-block floor ({deep.about})",
+        f"{deep.seq}, fused attention): plans below the floor of checkpointing every block, "
+        f"beside every (2nd) block checkpointed by remat and by torch ({deep.about})",
     )
     p.add_argument(
         "--model", default="gpt", help=f"built-in model: {', '.join(MODELS)} (default gpt)"
@@ -143,9 +149,7 @@ def _config(args: argparse.Namespace) -> tuple[ModelConfig, int, str]:
         raise UsageError(
             f"--model: unknown model {args.model!r}; choose one of: {', '.join(MODELS)}."
         )
-    size = (
-        "quick" if args.quick else "large" if args.large else "deep" if args.deep else "default"
-    )
+    size = "quick" if args.quick else "large" if args.large else "deep" if args.deep else "default"
     preset = PRESETS[size]
     cfg = preset.config(args.model)
     steps = preset.rounds

@@ -1,7 +1,7 @@
 """``remat explain [MODULE:FACTORY]``: what one training step keeps for backward, and why.
 
-Runs :func:`remat.explain` on the model a factory returns (see
-:mod:`remat.cli._factory`), or on the built-in model of ``remat bench``, and
+Runs :func:`remat.explain` on the model a factory returns, with its positional and
+keyword inputs (see :mod:`remat.cli._factory`), or on the built-in model of ``remat bench``, and
 prints the table: every tensor alive at the end of forward with its module,
 operator, shape, dtype, bytes, source line and reason, totals per reason and
 per module, where the step's peak falls, and the boundary warnings.
@@ -17,7 +17,14 @@ from typing import Any
 
 from .._explain import explain
 from .._wrap import apply_activation_checkpointing
-from ._factory import add_target_arguments, builtin_model, factory_hint, load_factory
+from ._blocks import add_blocks_argument, blocks_filter, for_the_shell, parse_blocks
+from ._factory import (
+    FACTORY_HELP,
+    add_target_arguments,
+    builtin_model,
+    factory_hint,
+    load_factory,
+)
 from ._usage import RunError, UsageError, check_output_path, describe, write_text
 
 
@@ -30,16 +37,18 @@ def add_parser(sub: Any) -> None:
             "alive at the end of forward: module, operator, shape, dtype, bytes, source line, "
             "and why it is kept (not checkpointed, a checkpoint's input, a selective save, "
             "offloaded). Says where the step's peak falls and warns about checkpoints that do "
-            "not help. FACTORY is a function returning (model, example_args); without "
-            "MODULE:FACTORY the built-in model of remat bench is explained."
+            f"not help. {FACTORY_HELP} Without MODULE:FACTORY the built-in model of remat bench "
+            "is explained."
         ),
     )
     add_target_arguments(p, "explain")
     p.add_argument(
         "--wrap",
         action="store_true",
-        help="checkpoint the model's repeated blocks first (remat.apply_activation_checkpointing)",
+        help="checkpoint the model's repeated blocks first (remat.apply_activation_checkpointing; "
+        "--blocks picks others)",
     )
+    add_blocks_argument(p, "checkpoint with --wrap")
     p.add_argument(
         "--all", action="store_true", help="list every tensor (default: the largest, see --top)"
     )
@@ -51,8 +60,18 @@ def add_parser(sub: Any) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    if args.top < 0:
-        raise UsageError(f"--top {args.top}: pass a number of rows >= 0 (or --all).")
+    if args.top < 1:
+        raise UsageError(
+            f"--top {args.top}: pass a number of rows >= 1 (the largest tensors to list), or "
+            "--all for every one."
+        )
+    if args.blocks is not None:
+        if not args.wrap:
+            raise UsageError(
+                f"--blocks {args.blocks!r} picks the blocks --wrap checkpoints: add --wrap, or "
+                "drop --blocks."
+            )
+        parse_blocks(args.blocks)
     if args.json is not None:
         check_output_path("--json", args.json)
     if args.target is not None and args.model is not None:
@@ -66,22 +85,24 @@ def main(args: argparse.Namespace) -> int:
     try:
         _check(args)
         if args.target is None:
-            model, example, label = builtin_model(args.model)
+            model, inputs, label = builtin_model(args.model)
             was_tuple = True
             print(f"remat explain: {label}", flush=True)
         else:
-            model, example, was_tuple = load_factory(args.target)
+            model, inputs, was_tuple = load_factory(args.target)
         if args.wrap:
+            pick = blocks_filter(model, args.blocks)
             try:
-                wrapped = apply_activation_checkpointing(model)
+                wrapped = apply_activation_checkpointing(model, check_fn=pick)
             except Exception as e:
-                raise RunError(f"--wrap: {describe(e)}") from None
+                raise RunError(for_the_shell(f"--wrap: {describe(e)}")) from None
             print(f"remat explain: checkpointed {len(wrapped)} blocks", flush=True)
         try:
-            report = explain(model, *example)
+            report = explain(model, *inputs.args, **inputs.kwargs)
         except Exception as e:
             if str(e).startswith("remat."):
-                raise RunError(str(e)) from None  # remat's own message says what to change
+                # remat's own message says what to change
+                raise RunError(for_the_shell(str(e))) from None
             raise RunError(
                 f"running {args.target or 'the built-in'}'s model raised {describe(e)}"
                 + factory_hint(args.target or "", was_tuple)

@@ -7,8 +7,9 @@ before writing a factory: ``remat plan --budget 50%``.
 ``MODULE`` is a module importable from the current directory (or ``PYTHONPATH``)
 or the path of a Python file (``path/to/models.py:make``). ``FACTORY`` is called
 without arguments and returns ``(model, example_args)``: ``model`` an
-``nn.Module``, ``example_args`` a tuple of positional arguments for its forward
-(anything else is its only argument, a list included).
+``nn.Module``, ``example_args`` a tuple of positional arguments for its forward, a
+:class:`remat.Inputs` for keyword arguments too, or its only argument (see
+:mod:`remat.cli._factory`).
 
 A model (and inputs) the factory builds on the meta device (``with torch.device("meta"):``)
 is planned from shapes alone (:mod:`remat.planner.meta`): nothing is allocated, every
@@ -53,7 +54,8 @@ from ..planner.shaped import ProfileSource
 from ..planner.shapes import Shapes, shape_plans
 from ..planner.solve import plan
 from ..planner.stepmodel import located, parse_budget
-from ._factory import add_target_arguments
+from ._blocks import BlockFilter, add_blocks_argument, blocks_filter, for_the_shell, parse_blocks
+from ._factory import FACTORY_HELP, add_target_arguments
 from ._factory import builtin_model as _builtin
 from ._factory import factory_hint as _hint
 from ._factory import load_factory as _load
@@ -68,12 +70,14 @@ def add_parser(sub: Any) -> None:
         help="profile your model and print the checkpointing plan for a memory budget",
         description=(
             "Profile a model and choose keep/recompute/selective/offload per block so that the "
-            "predicted peak fits the budget at the least added time. FACTORY is a function "
-            "returning (model, example_args). Without MODULE:FACTORY, the built-in model of "
-            "remat bench is planned (try: remat plan --budget 50%%)."
+            f"predicted peak fits the budget at the least added time. {FACTORY_HELP} Without "
+            "MODULE:FACTORY, the built-in model of remat bench is planned (try: remat plan "
+            "--budget 50%). --json FILE saves the plan: apply it with "
+            "remat.Plan.load(FILE).apply(model), check it with remat verify --plan FILE."
         ),
     )
     add_target_arguments(p, "plan")
+    add_blocks_argument(p, "plan")
     hf = p.add_argument_group(
         "a Hugging Face model from its config (instead of MODULE:FACTORY), built on the meta "
         "device: nothing allocated"
@@ -113,7 +117,12 @@ def add_parser(sub: Any) -> None:
         help="your loop keeps gradients allocated (zero_grad(set_to_none=False), accumulation)",
     )
     p.add_argument(
-        "--timer", choices=("time", "measured", "flops"), default="time", help="cost measure"
+        "--timer",
+        choices=("time", "measured", "flops"),
+        default="time",
+        help="how the time a decision adds is priced: time counts each block's work and "
+        "prices it with this device's calibration (cached; stable plans), measured times the "
+        "blocks (varies with load), flops counts FLOPs only (default: time)",
     )
     p.add_argument(
         "--device",
@@ -196,6 +205,8 @@ def _check(args: argparse.Namespace) -> None:
         )
     if args.json is not None:
         check_output_path("--json", args.json)
+    if args.blocks is not None:
+        parse_blocks(args.blocks)
     _check_hf(args)
     if args.calibration is not None:
         if args.timer != "time":
@@ -320,10 +331,10 @@ def main(args: argparse.Namespace) -> int:
                 raise
             except Exception as e:
                 raise RunError(f"building the model of --hf-config raised {describe(e)}") from None
-            example, was_tuple = (inputs,), True
+            was_tuple = True
             print(f"remat plan: {label}", flush=True)
         elif args.target is None:
-            model, example, label = _builtin(args.model)
+            model, inputs, label = _builtin(args.model)
             was_tuple = True
             print(f"remat plan: {label}", flush=True)
         elif args.model is not None:
@@ -331,9 +342,11 @@ def main(args: argparse.Namespace) -> int:
                 f"--model {args.model} picks a built-in model: drop it, or drop {args.target}."
             )
         else:
-            model, example, was_tuple = _load(args.target)
+            model, inputs, was_tuple = _load(args.target)
+        example = (inputs.args, inputs.kwargs)  # every tensor the model is given
         shaped = is_meta(model, example)
         _check_meta(args, shaped, device_of(model, example) if not shaped else "meta")
+        pick = blocks_filter(model, args.blocks)
         try:
             make = OPTIMIZERS[args.optimizer]
             opt = None if make is None else make(model.parameters())
@@ -343,25 +356,27 @@ def main(args: argparse.Namespace) -> int:
                 region = torch.autocast(device.type, dtype=AUTOCAST[args.autocast])
             with region, one_sequence_a_row() if shaped else contextlib.nullcontext():
                 if args.shapes is not None:
-                    return _plan_shapes(args, model, example, opt, region)
+                    return _plan_shapes(args, model, inputs, opt, pick)
                 if shaped:
                     say("profiling from shapes (nothing allocated)")
                     prof = profile(
                         model,
-                        *example,
+                        inputs,
                         optimizer=opt,
                         set_to_none=not args.keep_grads,
+                        check_fn=pick,
                         timer=args.timer,
                         device=args.device or "cpu",
                         calibration=args.calibration,
                     )
                 else:
-                    prof = _real_profile(args, model, example, opt, say)
+                    prof = _real_profile(args, model, inputs, opt, pick, say)
         except UsageError:  # --shapes: no plan meets the budget at some size
             raise
         except Exception as e:  # the model cannot be run or planned as given
             if isinstance(e, PlanError) or str(e).startswith("remat."):
-                raise RunError(str(e)) from None  # remat's own message says what to change
+                # remat's own message says what to change
+                raise RunError(for_the_shell(str(e))) from None
             raise RunError(
                 f"profiling {args.target or 'the built-in'}'s model raised {describe(e)}"
                 + _hint(args.target or "", was_tuple)
@@ -372,18 +387,19 @@ def main(args: argparse.Namespace) -> int:
                 prof, args.budget, solver=args.solver, spans=False if args.no_spans else None
             )
         except (PlanError, ValueError) as e:
-            raise UsageError(str(e)) from None
+            raise UsageError(for_the_shell(str(e))) from None
         step: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         if args.diagnose:
             chosen.apply(model)
-            step = (tuple(example), {})
+            step = (inputs.args, inputs.kwargs)
         with region:
             chosen.diagnostics = advice.on_model(model, chosen, step)
         print(
             f"remat plan: {len(prof.blocks)} blocks, unchecked step peak "
             f"{_fmt(prof.unchecked_peak_bytes)} (before it starts: {_fmt(prof.static_step_bytes)} of "
             "parameters, buffers, inputs, kept gradients and optimizer state), "
-            f"device {prof.device}, cost in {prof.cost_unit}"
+            f"device {prof.device}; 'adds': "
+            + ("the time a decision adds to a step" if prof.cost_unit == "s" else "its FLOPs")
             + (f" priced with calibration {args.calibration}" if args.calibration else "")
         )
         if prof.from_shapes and not prof.scratch_located:
@@ -394,9 +410,11 @@ def main(args: argparse.Namespace) -> int:
                 "leave room for it under the budget"
             )
         say.done("planned")
-        print(chosen)
+        print(for_the_shell(str(chosen)))
         if args.json is not None:
             write_text("--json", args.json, chosen.to_json())
+            # a model built on meta has no real steps to verify
+            print(saved_how(args.json, None if shaped else args.target or ""))
     except UsageError as e:
         print(f"remat plan: error: {e}", file=sys.stderr)
         return 2
@@ -407,14 +425,18 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _real_profile(
-    args: argparse.Namespace, model: Any, example: Any, opt: Any, say: Progress
+    args: argparse.Namespace,
+    model: Any,
+    inputs: Inputs,
+    opt: Any,
+    pick: BlockFilter | None,
+    say: Progress,
 ) -> Any:
     """The profile of a model on its device: from shapes (a meta copy, nothing allocated),
     with the scratch inside operators measured in one real step of the plan for
     ``--budget`` (the step that plan runs, not the unchecked one); of real steps where shapes
     cannot (said)."""
-    loop = Loop(optimizer=opt, set_to_none=not args.keep_grads, timer=args.timer)
-    inputs = Inputs(*example)
+    loop = Loop(optimizer=opt, set_to_none=not args.keep_grads, check_fn=pick, timer=args.timer)
     prof = ProfileSource(model, loop, agree=False, device=None, say=say)(inputs)
     if not prof.from_shapes:
         return prof
@@ -433,21 +455,43 @@ def _real_profile(
     return located(prof, where)
 
 
-def _plan_shapes(args: argparse.Namespace, model: Any, example: Any, opt: Any, region: Any) -> int:
+def _plan_shapes(
+    args: argparse.Namespace, model: Any, inputs: Inputs, opt: Any, pick: BlockFilter | None
+) -> int:
     """``--shapes``: the plans at every profiled size (the example is the largest batch)."""
     try:
-        loop = Loop(optimizer=opt, set_to_none=not args.keep_grads, timer=args.timer)
-        plans = shape_plans(model, Inputs(*example), args.shapes, args.budget, loop)
+        loop = Loop(optimizer=opt, set_to_none=not args.keep_grads, check_fn=pick, timer=args.timer)
+        plans = shape_plans(model, inputs, args.shapes, args.budget, loop)
         chosen = {n: plans.plan_for(n) for n in plans.fit.knots}
-    except PlanError as e:
-        raise UsageError(str(e)) from None
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    print(plans)
+    except (PlanError, ValueError) as e:
+        raise UsageError(for_the_shell(str(e))) from None
+    print(for_the_shell(str(plans)))
     for n, p in chosen.items():
         print(f"\nat size {n}:")
-        print(p)
+        print(for_the_shell(str(p)))
     if args.json is not None:
         data = {str(n): json.loads(p.to_json()) for n, p in chosen.items()}
         write_text("--json", args.json, json.dumps(data, indent=2))
     return 0
+
+
+def saved_how(path: str, target: str | None) -> str:
+    """What ``--json FILE`` wrote and how to use it (printed after the plan); ``target``: the
+    ``MODULE:FACTORY`` for ``remat verify`` (``""``: the built-in model; ``None``: no real
+    steps to verify, a model on the meta device).
+
+    Example:
+        >>> print(saved_how("plan.json", "models.py:make"))
+        remat plan: saved the plan to plan.json; apply it in your training script with
+          plan = remat.Plan.load('plan.json'); plan.apply(model)
+        check it on real steps: remat verify models.py:make --plan plan.json
+    """
+    text = (
+        f"remat plan: saved the plan to {path}; apply it in your training script with\n"
+        f"  plan = remat.Plan.load({path!r}); plan.apply(model)"
+    )
+    if target is not None:
+        text += (
+            f"\ncheck it on real steps: remat verify {target + ' ' if target else ''}--plan {path}"
+        )
+    return text

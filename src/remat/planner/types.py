@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import os
 from collections.abc import Iterator, Sequence
 
 from typing_extensions import Self
@@ -788,12 +789,26 @@ class PlanData:
 
     @classmethod
     def from_json(cls, text: str) -> Self:
-        """Read a plan written by :meth:`to_json`.
+        """Read a plan written by :meth:`to_json` (the JSON text; a file: :meth:`load`).
 
         Raises:
-            PlanError: the JSON has fields or decisions this version does not know.
+            PlanError: the text is not JSON (the path of a file: says to call
+                :meth:`load`), or has fields or decisions this version does not know.
         """
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            hint = (
+                f" {text!r} is a file: read it with Plan.load({text!r})."
+                if len(text) < 4096 and os.path.isfile(text)
+                else " Pass the text Plan.to_json() wrote, or a file's path to Plan.load(path)."
+            )
+            raise PlanError(f"Plan.from_json: the text is not JSON ({e}).{hint}") from None
+        if not isinstance(data, dict):
+            raise PlanError(
+                f"Plan.from_json: expected a JSON object, got {type(data).__name__}; pass the "
+                "text Plan.to_json() wrote."
+            )
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -802,6 +817,37 @@ class PlanData:
                 "Plan.to_json of this remat version."
             )
         return cls(**data)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the plan to ``path`` as JSON (:meth:`to_json`); :meth:`load` reads it back."""
+        with open(path, "w") as fh:
+            fh.write(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Self:
+        """Read a plan from a JSON file written by :meth:`save` (or ``remat plan --json``).
+
+        Example:
+            >>> import os, tempfile, remat
+            >>> plan = remat.Plan(decisions={"blocks.0": "recompute"}, predicted_peak_bytes=1,
+            ...                   predicted_overhead_s=0.0, unchecked_peak_bytes=2, budget_bytes=1)
+            >>> path = os.path.join(tempfile.mkdtemp(), "plan.json")
+            >>> plan.save(path)
+            >>> remat.Plan.load(path) == plan
+            True
+
+        Raises:
+            OSError: the file cannot be read (``FileNotFoundError`` when it is missing).
+            PlanError: the file is not a plan's JSON, naming the file.
+        """
+        with open(path) as fh:
+            text = fh.read()
+        try:
+            return cls.from_json(text)
+        except PlanError as e:
+            raise PlanError(
+                f"Plan.load({os.fspath(path)!r}): {str(e).removeprefix('Plan.from_json: ')}"
+            ) from None
 
 
 _NAMES = {d.value for d in Decision}
