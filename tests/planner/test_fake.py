@@ -169,3 +169,27 @@ def test_a_fake_model_takes_no_device_argument():
     (x,), _ = on_fake(mode, ((torch.randn(2, 4),), {}))
     with pytest.raises(ValueError, match="device='cuda' is for a model on the meta device"):
         remat.profile(fake, x, timer="flops", device="cuda")
+
+
+def _hf_marks(family: str) -> list[pytest.MarkDecorator]:
+    return [] if family in ("llama", "t5") else [pytest.mark.slow]
+
+
+@pytest.mark.parametrize(
+    "family",
+    [pytest.param(f, marks=_hf_marks(f)) for f in ("llama", "t5", "gpt2", "bert", "vit", "neox")],
+)
+def test_a_fake_twin_of_a_hugging_face_model_under_autocast_has_its_bytes(family):
+    pytest.importorskip("transformers", reason="needs the test extra: pip install -e '.[test]'")
+    from tests.support.hf_models import FAMILIES, MORE_FAMILIES
+
+    make = FAMILIES[family][0] if family in FAMILIES else MORE_FAMILIES[family]
+    torch.manual_seed(0)
+    model, batch = make()
+    opt = torch.optim.AdamW(model.parameters())
+    with _region():
+        real = remat.profile(model, optimizer=opt, timer="flops", **batch)
+        fake, fake_opt, mode = fake_twin(model, opt)
+        a, k = on_fake(mode, ((), batch))
+        prof = measure.profile_loop(fake, Inputs(*a, **k), Loop(fake_opt, timer="flops"))
+    assert _bytes_of(prof) == _bytes_of(real)

@@ -17,6 +17,11 @@ What a fake twin cannot stand for, and is profiled on the device instead
   CPU, which saves a workspace the meta kernels do not have: the bytes would differ.
 * **Shapes that depend on values**, as with a meta twin: the fake step raises.
 
+Libraries may take fake tensors for a trace: transformers' ``is_tracing`` does, and skips
+its checks of values there (which is what lets most of its models run fake), but BART then
+builds a decoder mask its eager step leaves to the kernel: 8 KiB more in each decoder
+block's input of the test config, predicted high (a plan on the safe side).
+
 Example:
     >>> import torch
     >>> model = torch.nn.Linear(4, 4)
@@ -31,6 +36,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -40,7 +48,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from .._tree import replace_tensors, tensors_in
 from .meta import copy_model
 
-__all__ = ["check_fakeable", "fake_mode_of", "fake_twin", "on_fake"]
+__all__ = ["check_fakeable", "fake_mode_of", "fake_steps", "fake_twin", "on_fake"]
 
 #: Modules whose CPU kernels save other tensors than the meta kernels a fake step runs.
 _CPU_ONLY_KERNELS = (nn.RNNBase,)
@@ -105,3 +113,17 @@ def on_fake(mode: FakeTensorMode, args: Any) -> Any:
             f = mode.from_tensor(t.detach())
             memo[id(t)] = f.requires_grad_(t.requires_grad) if t.is_leaf else f
     return replace_tensors(args, [memo[id(t)] for t in found], [0])
+
+
+@contextlib.contextmanager
+def fake_steps(mode: FakeTensorMode) -> Iterator[None]:
+    """Inside, ``mode`` is on, and torch's log of a meta kernel that refused (the step then
+    raises, and the model is profiled on its device) is quiet; put back on exit."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        with mode:
+            yield
+    finally:
+        logger.setLevel(level)

@@ -52,7 +52,7 @@ from .amp import outside
 from .apply import apply_decision, restore_state, snapshot_state
 from .calibration import make_clock
 from .distributed import active, agree_profile, agree_same
-from .fake import fake_mode_of
+from .fake import fake_mode_of, fake_steps
 from .inputs import Inputs, model_inputs
 from .loop import Loop, Step
 from .meta import check_no_autocast, is_meta, shapes_only, target_device
@@ -266,7 +266,7 @@ def profile_loop(
     if agree:  # before any step: ranks that would run different steps would hang
         agree_same((names, [str(d) for d in chosen], repeats, timer), "the blocks, decisions and steps")
     try:
-        mode = fake if fake is not None else contextlib.nullcontext()
+        mode = fake_steps(fake) if fake is not None else contextlib.nullcontext()
         with mode, shapes_only(target, "position_ids" not in inputs.kwargs):
             prof = _profile(model, inputs, loop, blocks, chosen, repeats, threads, calibration,
                             target)  # fmt: skip
