@@ -309,8 +309,10 @@ def auto_checkpoint(
     bytes either). Where shapes alone cannot profile the model (shapes that depend on values,
     as a mixture of experts' routing; a model sharded by FSDP2 or wrapped in DDP;
     ``timer="measured"``; CPU's recurrent kernels, ``nn.LSTM``/``nn.GRU``, under autocast)
-    the model is profiled on its device as :func:`remat.profile` does (this is said), which
-    runs the unchecked step.
+    the model is profiled in real steps (this is said): at a quarter and a half of the batch
+    (dimension 0 of the inputs, 8 or more), the whole batch's profile fitted from those
+    (:func:`remat.planner.shaped.batch_knots`), so that no step holds the unchecked step's
+    bytes; for a smaller batch, as :func:`remat.profile` does, which runs the unchecked step.
     A model on the meta device is planned and the plan applied, with no real step.
     Each stage is said on standard error unless ``quiet``.
 
