@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from .._errors import PlanError
 from .._modelinfo import device_of
 from .._tree import tensors_in
 from . import measure
@@ -175,7 +176,11 @@ class ProfileSource:
             first = str(e).splitlines()[0] if str(e) else ""
             self.say(f"a cut batch raised ({type(e).__name__}: {first})")
             return None
-        prof = ShapeFit(profiles).at(largest)
+        try:
+            prof = ShapeFit(profiles).at(largest)
+        except PlanError as e:  # other blocks or decisions at the two sizes
+            self.say(f"the cut batches do not fit one profile ({str(e).splitlines()[0]})")
+            return None
         found: list[torch.Tensor] = []
         tensors_in(args, found)
         # no scratch inside operators is fitted: it is measured under the plan, as for a
