@@ -87,8 +87,9 @@ def test_dry_run_runs_every_part_and_writes_the_summary(script, tmp_path):
         assert c["stats"]["measured"] == len(c["plans"]) == script.device.DRY_SIZES.max_plans
     # a plan from shapes measured as predicted (the CPU's calibration saved under --out)
     shapes = parts["shapes"]["results"]
-    assert [r["precision"] for r in shapes["rows"]] == ["fp32", "bf16"]
+    assert [r["precision"] for r in shapes["rows"]] == ["fp32", "bf16", "amp"]
     assert shapes["rows"][0]["tracker"] == shapes["rows"][0]["predicted"]
+    assert shapes["rows"][2]["tracker"] == shapes["rows"][2]["predicted"]  # a fake copy, exact
     assert Path(shapes["calibration"]).parent == tmp_path
     # the bench ran the offload strategies, with the reference's gradients
     rows = {r["strategy"]: r for r in parts["bench"]["results"]["data"]["rows"]}
@@ -216,6 +217,9 @@ def test_shapes_part_saves_a_calibration_and_measures_a_plan_from_shapes_as_pred
     # profile on the device
     assert fp32["tracker"] == fp32["predicted"] == fp32["on_device_predicted"]
     assert fp32["predicted"] <= fp32["budget"]
+    amp = found["rows"][2]  # a fake copy under autocast: the real step's bytes too
+    assert amp["precision"] == "amp"
+    assert amp["tracker"] == amp["predicted"] == amp["on_device_predicted"]
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,12 @@
    scratch inside operators, which a plan from shapes does not count); a profile on the
    device gives the same plan's prediction with that scratch beside it. A dry run measures
    on CPU, ``remat.memory.track`` standing in for the allocator.
+3. The same GPT in float32 under bfloat16 autocast (``"amp"``: torch's recipe, forward in
+   the region, backward and the optimizer step after it): a *fake* copy
+   (:func:`remat.planner.fake.fake_twin`, tensors of the device that autocast casts) is
+   profiled inside the region and planned; the plan is measured as above, the meter's peak
+   also inside the region. On CUDA this checks what no CPU run can: the fake tensors'
+   kernels (SDPA's choice among them) against the GPU's.
 """
 
 from __future__ import annotations
@@ -27,7 +33,10 @@ import torch
 
 import remat
 from remat.bench.models import build, example_input
-from remat.planner import calibration
+from remat.planner import calibration, measure
+from remat.planner.fake import fake_twin, on_fake
+from remat.planner.inputs import Inputs
+from remat.planner.loop import Loop
 from remat.planner.meta import twin
 
 from .device import ROOT, Check, allocator_window, release
@@ -99,6 +108,60 @@ def shapes_row(check: Check, precision: str, saved: Path) -> dict[str, Any]:
     }
 
 
+def amp_row(check: Check, saved: Path) -> dict[str, Any]:
+    """The float32 GPT under bfloat16 autocast planned from a fake copy: predicted against
+    the meter and the allocator (item 3 of the module docstring)."""
+    cfg = check.sizes.gpt
+    model = build(cfg, check.device)
+    x = example_input(cfg, check.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def region() -> torch.autocast:
+        return torch.autocast(check.device.type, dtype=torch.bfloat16)
+
+    fake, fake_opt, mode = fake_twin(model, opt)
+    (fake_x,), _ = on_fake(mode, ((x,), {}))
+    with region():
+        shaped = measure.profile_loop(
+            fake, Inputs(fake_x), Loop(fake_opt), calibration=str(saved)
+        )
+        on_device = remat.profile(model, x, optimizer=opt, timer="flops")
+    del model, x, opt, fake, fake_x, fake_opt
+    budget = (
+        shaped.unchecked_peak_bytes + shaped.peak(["recompute"] * len(shaped.blocks)).bytes
+    ) // 2
+    plan = remat.plan(shaped, budget, spans=False)
+    decisions = [getattr(d, "value", d) for d in (plan.decisions[b.name] for b in shaped.blocks)]
+    with allocator_window(check.device) as w:
+        torch.manual_seed(0)
+        model = build(cfg, check.device)
+        x = example_input(cfg, check.device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        plan.apply(model)
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            with region():
+                loss = model(x)
+            loss.backward()
+            opt.step()
+    opt.zero_grad(set_to_none=True)
+    opt.state.clear()
+    with region():
+        tracked = remat.measure_peak(model, x, optimizer=opt)
+    release(check.device)
+    return {
+        "precision": "amp",
+        "decisions": decisions,
+        "budget": budget,
+        "predicted": plan.predicted_peak_bytes,
+        "on_device_predicted": on_device.peak(decisions).bytes,
+        "on_device_scratch": on_device.scratch_bytes,
+        "tracker": tracked,
+        "allocated": w.allocated,
+        "reserved": w.reserved,
+    }
+
+
 def part_shapes(check: Check, found: dict[str, Any], deadline: Deadline) -> None:
     """Save the device's calibration, then check plans from shapes against the device."""
     saved = save_calibration(check)
@@ -109,3 +172,5 @@ def part_shapes(check: Check, found: dict[str, Any], deadline: Deadline) -> None
             found["cut_short"] = "time limit"
             break
         rows.append(shapes_row(check, precision, saved))
+    if not deadline.passed():
+        rows.append(amp_row(check, saved))
