@@ -4,6 +4,7 @@ plan moves (:class:`~remat.planner.stepmodel.stage.StageBytes`)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -61,6 +62,10 @@ def _received(args: Sequence[Any]) -> tuple[Any, ...]:
     )
 
 
+def _last_loss(loss_fn: Callable[[Any, Any], torch.Tensor], target: Any, out: Any) -> torch.Tensor:
+    return loss_fn(out, target)
+
+
 def profile_stage(
     module: nn.Module,
     args: Sequence[Any],
@@ -85,6 +90,7 @@ def profile_stage(
     """
     first, last = stage == 0, stage == stages - 1
     probe = StageProbe(module)
+    loss: Callable[[Any], torch.Tensor]
     inputs = args if first else _received(args)
     if last:
         if loss_fn is None or target is None:
@@ -92,11 +98,7 @@ def profile_stage(
                 "remat: the last stage needs loss_fn (the schedule's) and one microbatch's "
                 "target to be planned."
             )
-        fn, tgt = loss_fn, target
-
-        def loss(out: Any) -> torch.Tensor:
-            return fn(out, tgt)
-
+        loss = functools.partial(_last_loss, loss_fn, target)
         kept_loss: Callable[[Any], torch.Tensor] | None = loss
     else:
         with torch.no_grad():
@@ -114,14 +116,22 @@ def profile_stage(
     common = dict(loss_fn=loss, check_fn=None, distributed=False)
     freed = profile(probe, *inputs, optimizer=optimizer, timer=timer, **common)  # type: ignore[arg-type]
     kept = profile(
-        probe, *inputs, set_to_none=False, timer="flops", decisions=freed.decisions, **common  # type: ignore[arg-type]
+        probe,
+        *inputs,
+        set_to_none=False,
+        timer="flops",
+        decisions=freed.decisions,
+        **common,  # type: ignore[arg-type]
     )
     n = microbatches
     received = 0 if first else n * _bytes_of(list(args))
     grads_in = 0 if last else n * out_bytes
     batch = n * (_bytes_of(list(args)) if first else 0) + n * (_bytes_of(target) if last else 0)
     sizes = StageBytes(
-        static=storage_bytes([*module.parameters(), *module.buffers()]) + received + grads_in + batch,
+        static=storage_bytes([*module.parameters(), *module.buffers()])
+        + received
+        + grads_in
+        + batch,
         optimizer_state=freed.optimizer_state_bytes,
         grads=freed.grad_bytes,
         kept_keep=kept_keep,

@@ -102,9 +102,7 @@ def forward_bytes(
         out = probe(*args)
         loss = loss_fn(out) if loss_fn is not None else None
         alive = t.current_bytes
-        out_bytes = sum(
-            o.untyped_storage().nbytes() for o in _tensors(out)
-        )
+        out_bytes = sum(o.untyped_storage().nbytes() for o in _tensors(out))
         del out, loss
     return alive, out_bytes
 

@@ -28,7 +28,7 @@ each with these counts: the step model of a stage
 
 Example:
     >>> [str(e) for e in stage_events("1f1b", stage=0, stages=2, microbatches=3)][:4]
-    ['F0 (in flight 0)', 'F1 (in flight 1)', 'B0 (in flight 1)', 'F2 (in flight 1, grads)']
+    ['F0 (in flight 0)', 'F1 (in flight 1)', 'B0 (in flight 1)', 'after B0 (in flight 1, grads, outputs 1)']
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ class Event:
 
     Attributes:
         action: forward, backward or between.
-        microbatch: the running microbatch (``-1`` between).
+        microbatch: the running microbatch (between: the one just backwarded; ``-1`` at
+            the step's end).
         in_flight: other microbatches forwarded and not yet backwarded.
         grads: whether the parameters' gradients exist when it starts.
         outputs: outputs of finished microbatches still referenced.
@@ -75,7 +76,10 @@ class Event:
     merged: bool = False
 
     def __str__(self) -> str:
-        name = "end" if self.action is Action.BETWEEN else f"{self.action.value}{self.microbatch}"
+        if self.action is Action.BETWEEN:
+            name = f"after B{self.microbatch}" if self.microbatch >= 0 else "end"
+        else:
+            name = f"{self.action.value}{self.microbatch}"
         extra = [f"in flight {self.in_flight}"]
         extra += ["grads"] if self.grads else []
         extra += [f"outputs {self.outputs}"] if self.outputs else []
@@ -196,8 +200,8 @@ class _Walk:
         self.flying.discard(mb)
         self.done += 1
 
-    def between(self) -> None:
-        self._event(Action.BETWEEN, -1)
+    def between(self, mb: int = -1) -> None:
+        self._event(Action.BETWEEN, mb)
 
     def gpipe(self) -> None:
         # every forward send's work is kept to the end of the step, and every backward's
@@ -208,7 +212,7 @@ class _Walk:
             if not self.last:
                 self.outputs.add(mb)
             self.input_grads.add(mb)
-            self.between()
+            self.between(mb)
         self._end()
 
     def one_f_one_b(self, k: int) -> None:
@@ -224,7 +228,7 @@ class _Walk:
             self.outputs = {m for m in (warm_send, fwd_sends) if m >= 0}
             # `bwd_sends` now names b's gradient; the previous one's is dropped
             self.input_grads = {b}
-            self.between()
+            self.between(b)
             b += 1
             if f == self.n:
                 break
@@ -238,7 +242,7 @@ class _Walk:
             self.backward(b)
             # the previous gradient's send work is held until the next is fired
             self.input_grads = {b - 1, b}
-            self.between()
+            self.between(b)
             self.input_grads = {b}
             b += 1
         self._end()

@@ -1,0 +1,227 @@
+"""The least-cost plan of one pipeline stage whose step fits a byte budget.
+
+The stage's peak (:func:`~remat.planner.stepmodel.stage.stage_peak`) is the largest over its
+schedule's moments of ``c(e) + h(e) * kept(plan) + term(e, plan)``: ``kept(plan) = K - S``
+where ``S`` is what the plan's checkpoints save over the whole chain, ``h(e)`` the
+microbatches in flight. ``S`` couples every block to every moment, which the chain dynamic
+program (:mod:`remat.planner.chain`, over running sums of what the blocks *before* a term
+saved) cannot take directly. For a target ``T`` of the total saved, every moment becomes a
+bound on one microbatch's forward or backward terms (``term <= budget - c(e) - h(e) * (K -
+T)``: one budget per phase, which shifting the forward and backward terms apart turns into
+one), and ``S >= T`` is the chain's last term (``top - S <= budget``). :func:`solve_stage`
+solves that for targets ``T`` on a grid from 0 to what the smallest plan saves, keeps the
+plans whose exact peak fits, and returns the cheapest (fewest checkpointed blocks among
+equals): exact in what it predicts, optimal up to the grid's step in ``T``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from ..._errors import PlanError
+from ..apply import apply_plan
+from ..solve import floor, solve
+from ..stepmodel import predicted_cost
+from ..stepmodel.schedule import Action, in_flight
+from ..stepmodel.stage import kept_bytes, stage_peak
+from ..types import BlockCosts, Decision, PlanData, ProfileData, Span
+from .measure import StageProfile
+from .probe import PREFIX
+
+GRID = 24
+"""Targets of the total saved bytes tried between none and the smallest plan's."""
+
+
+@dataclasses.dataclass
+class StagePlan:
+    """One stage's plan for its schedule and its predicted peak (absolute bytes of the rank).
+
+    Attributes:
+        stage / stages: the stage's index and how many there are.
+        schedule: ``"gpipe"`` or ``"1f1b"``.
+        microbatches: per step; ``in_flight`` the most the stage holds at once.
+        decisions: block name (the stage module's) -> decision.
+        spans: ``[first, last]`` block names of each span.
+        budget_bytes: the rank's budget.
+        predicted_peak_bytes: the predicted peak of a step of the schedule on this rank,
+            its optimizer step included.
+        peak_at: the moment it falls at (``"B1 (in flight 2, grads)"``, ...).
+        unchecked_peak_bytes: the same with every block kept.
+        predicted_overhead_s: the time the plan adds to one step (all microbatches), in
+            ``cost_unit``.
+        cost_unit: ``"s"`` or ``"flop"``.
+    """
+
+    stage: int
+    stages: int
+    schedule: str
+    microbatches: int
+    in_flight: int
+    decisions: dict[str, Decision]
+    spans: list[list[str]]
+    budget_bytes: int
+    predicted_peak_bytes: int
+    peak_at: str
+    unchecked_peak_bytes: int
+    predicted_overhead_s: float
+    cost_unit: str = "s"
+
+    def apply(self, module: object) -> object:
+        """Checkpoint the stage module's blocks in place as decided; returns the module."""
+        plan = PlanData(
+            decisions=dict(self.decisions),
+            predicted_peak_bytes=self.predicted_peak_bytes,
+            predicted_overhead_s=self.predicted_overhead_s,
+            unchecked_peak_bytes=self.unchecked_peak_bytes,
+            budget_bytes=self.budget_bytes,
+            spans=[list(s) for s in self.spans],
+        )
+        return apply_plan(plan, module)  # type: ignore[arg-type]
+
+    def to_json(self) -> str:
+        """Plain JSON."""
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    def __str__(self) -> str:
+        checked = {n: str(d) for n, d in self.decisions.items() if d is not Decision.KEEP}
+        return (
+            f"stage {self.stage}/{self.stages} ({self.schedule}, {self.microbatches} "
+            f"microbatches, up to {self.in_flight} in flight): predicted peak "
+            f"{self.predicted_peak_bytes:,} B of {self.budget_bytes:,} B at {self.peak_at} "
+            f"(unchecked {self.unchecked_peak_bytes:,} B); checkpointed: {checked or 'none'}"
+            + (f"; spans {self.spans}" if self.spans else "")
+        )
+
+
+def _shifted(prof: ProfileData, fwd: int, bwd: int) -> tuple[list[BlockCosts], int, int, int]:
+    """The blocks, ``top``, ``pre`` and ``post`` with the forward terms moved by ``fwd`` and
+    the backward ones by ``bwd``."""
+    blocks = [
+        dataclasses.replace(b, fwd_start=b.fwd_start + fwd, bwd_start=b.bwd_start + bwd)
+        for b in prof.blocks
+    ]
+    return blocks, prof.top + bwd, prof.pre + fwd, prof.post + bwd
+
+
+def _merged(
+    freed: ProfileData, kept: ProfileData, shifts: tuple[int, int, int]
+) -> tuple[list[BlockCosts], int, int]:
+    """One set of terms under one budget of 0: the forward terms (shifted by ``shifts[0]``),
+    the first backward's (the freed profile's, by ``shifts[1]``) and the later backwards'
+    (the kept profile's, by ``shifts[2]``), each block's backward the larger of the two."""
+    f_blocks, f_top, pre, f_post = _shifted(freed, shifts[0], shifts[1])
+    k_blocks, k_top, _, k_post = _shifted(kept, shifts[0], shifts[2])
+    out = []
+    for fb, kb in zip(f_blocks, k_blocks):
+        start = max(fb.bwd_start, kb.bwd_start)
+        excess = {
+            d: max(fb.bwd_start + v, kb.bwd_start + kb.bwd_excess.get(d, v)) - start
+            for d, v in fb.bwd_excess.items()
+        }
+        out.append(dataclasses.replace(fb, bwd_start=start, bwd_excess=excess))
+    return out, max(f_top, k_top), max(pre, max(f_post, k_post))
+
+
+def _candidate(sp: StageProfile, budget: int, target: int, max_span: int) -> tuple | None:
+    """The least-cost plan whose one-microbatch terms fit the budgets the moments leave with
+    at least ``target`` bytes saved (see the module's docstring), or ``None``."""
+    s, ev = sp.sizes, sp.events
+    static = s.static + s.optimizer_state
+    per_mb = s.kept_keep - target
+    room = {Action.FORWARD: budget, "first": budget, "later": budget}
+    for e in ev:
+        held = (
+            e.outputs * s.output
+            + e.input_grads * s.input_grad
+            + e.losses * s.loss
+            + (s.microbatches * s.output if e.merged else 0)
+        )
+        c = static + (s.grads if e.grads else 0) + e.in_flight * per_mb + held
+        if e.action is Action.BETWEEN:
+            if c > budget:
+                return None
+        elif e.action is Action.FORWARD:
+            room[Action.FORWARD] = min(room[Action.FORWARD], budget - c)
+        else:
+            key = "later" if e.grads else "first"
+            room[key] = min(room[key], budget - c + s.probe_loss)
+    blocks, top, _ = _merged(
+        sp.freed, sp.kept, (-room[Action.FORWARD], -room["first"], -room["later"])
+    )
+    pre = max(
+        sp.freed.pre - room[Action.FORWARD],
+        sp.freed.post - room["first"],
+        sp.kept.post - room["later"],
+    )
+    if pre > 0:
+        return None
+    top = max(top, target)  # the chain's last term: top - S <= 0 needs S >= target
+    return solve(
+        blocks,
+        top,
+        0,
+        sp.freed.decisions,
+        max_span=max_span,
+        chained=sp.freed.spans_may_join,
+        kept_outputs=sp.freed.outputs_kept,
+    )
+
+
+def solve_stage(sp: StageProfile, budget: int, *, max_span: int = 16) -> StagePlan:
+    """The cheapest plan of the stage whose predicted peak is within ``budget`` (bytes).
+
+    Raises:
+        PlanError: no plan fits (the message gives the smallest peak reachable).
+    """
+    freed = sp.freed
+    n = len(freed.blocks)
+    keep = [Decision.KEEP] * n
+    low_ds, low_spans, _ = floor(freed, max_span)
+    most = sp.sizes.kept_keep - kept_bytes(freed, sp.sizes.kept_keep, low_ds, low_spans)
+    uniform: list[tuple[list[Decision], list[Span]]] = [
+        ([Decision(d)] * n, []) for d in freed.decisions
+    ]
+    tried: list[tuple[list[Decision], list[Span]]] = [*uniform, (low_ds, low_spans)]
+    for i in range(GRID + 1):
+        found = _candidate(sp, budget, most * i // GRID, max_span)
+        if found is not None:
+            tried.append(found)
+    best = None
+    for ds, spans in tried:
+        peak = stage_peak(freed, sp.kept, sp.sizes, sp.events, ds, spans)
+        if peak.bytes > budget:
+            continue
+        cost = predicted_cost(freed.blocks, ds, spans) * sp.sizes.microbatches
+        rank = (cost, sum(d is not Decision.KEEP for d in ds), len(spans))
+        if best is None or rank < best[0]:
+            best = (rank, ds, spans, peak)
+    unchecked = stage_peak(freed, sp.kept, sp.sizes, sp.events, keep)
+    if best is None:
+        low = min(
+            (stage_peak(freed, sp.kept, sp.sizes, sp.events, ds, s) for ds, s in tried),
+            key=lambda m: m.bytes,
+        )
+        raise PlanError(
+            f"remat: no plan of pipeline stage {sp.stage} fits {budget:,} bytes: the smallest "
+            f"predicted peak is {low.bytes:,} bytes (at {low.at}; every block kept: "
+            f"{unchecked.bytes:,}). Raise this rank's budget, use more microbatches of a "
+            "smaller size, or more stages."
+        )
+    (cost, _, _), ds, spans, peak = best
+    names = [b.name.removeprefix(PREFIX) for b in freed.blocks]
+    return StagePlan(
+        stage=sp.stage,
+        stages=sp.stages,
+        schedule=sp.schedule,
+        microbatches=sp.sizes.microbatches,
+        in_flight=in_flight(sp.schedule, sp.stage, sp.stages, sp.sizes.microbatches),
+        decisions=dict(zip(names, ds)),
+        spans=[[names[s.first], names[s.last]] for s in spans],
+        budget_bytes=budget,
+        predicted_peak_bytes=peak.bytes,
+        peak_at=peak.at,
+        unchecked_peak_bytes=unchecked.bytes,
+        predicted_overhead_s=cost,
+        cost_unit=freed.cost_unit,
+    )
