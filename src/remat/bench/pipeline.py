@@ -36,6 +36,8 @@ class RankResult:
         predicted_bytes: the plan's prediction (``remat``; else ``None``).
         budget_bytes: the rank's budget (``None`` without one).
         decisions: block name -> decision.
+        spans: ``[first, last]`` block names of each span of the plan (one checkpoint over
+            them; their blocks run as their decision says inside it).
         step_times: wall time of each step after the first.
         grads: the stage's gradients of the step after the measured ones (when asked).
         plan: the plan's JSON (``remat``).
@@ -47,6 +49,7 @@ class RankResult:
     budget_bytes: int | None
     decisions: dict[str, str]
     step_times: list[float]
+    spans: list[list[str]] = dataclasses.field(default_factory=list)
     grads: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     plan: str = ""
 
@@ -209,6 +212,7 @@ def run_rank(
         budget_bytes=budget,
         decisions=decisions,
         step_times=times,
+        spans=[list(sp) for sp in plan.spans] if plan else [],
         grads=first_grads,
         plan=plan.to_json() if plan else "",
     )

@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from torch import nn
+
 from ..._errors import PlanError
 from ..apply import apply_plan
 from ..solve import floor, solve
@@ -67,7 +69,7 @@ class StagePlan:
     predicted_overhead_s: float
     cost_unit: str = "s"
 
-    def apply(self, module: object) -> object:
+    def apply(self, module: nn.Module) -> nn.Module:
         """Checkpoint the stage module's blocks in place as decided; returns the module."""
         plan = PlanData(
             decisions=dict(self.decisions),
@@ -77,7 +79,7 @@ class StagePlan:
             budget_bytes=self.budget_bytes,
             spans=[list(s) for s in self.spans],
         )
-        return apply_plan(plan, module)  # type: ignore[arg-type]
+        return apply_plan(plan, module)
 
     def to_json(self) -> str:
         """Plain JSON."""
