@@ -14,8 +14,9 @@ unchecked peak, so that every layer everywhere is needed on the first stage only
 the most microbatches). Each rank measures its peak with ``remat.memory`` over every step
 (absolute: parameters, gradients, AdamW state, the schedule's buffers, the batch,
 activations). A step's time is the largest over the ranks of each rank's median wall time
-of the steps after the first; the spread is the smallest and largest of rank 0's. Read
-ratios, not values: the machine is shared.
+of the steps after the first (the spread: the smallest and largest of rank 0's); its CPU time
+the sum over the ranks of each one's median process CPU time (the work, steadier on a
+shared machine where the ranks share cores). Read ratios, not values.
 
 Run: python benchmarks/pipeline.py [--quick] [--json out.json]
 """
@@ -105,6 +106,7 @@ def _run(schedule: str, stages: int, size: dict, margin: float) -> dict:
             "stages": stages,
             "microbatches": size["microbatches"],
             "step_time_s": max(medians),
+            "step_cpu_s": sum(statistics.median(r["step_cpu_times"]) for r in ranks),
             "step_time_spread_s": [min(ranks[0]["step_times"]), max(ranks[0]["step_times"])],
             "fits": all(r["peak_bytes"] <= r["budget_bytes"] for r in ranks),
             "ranks": [
@@ -124,10 +126,12 @@ def _run(schedule: str, stages: int, size: dict, margin: float) -> dict:
 
 def _table(runs: dict) -> str:
     lines = [
-        f"{'run':<22} {'step s':>8} {'vs every':>9} {'fits':>5}  peak per rank (MB; predicted)",
+        f"{'run':<22} {'step s':>8} {'vs every':>9} {'CPU s':>7} {'vs every':>9} {'fits':>5}"
+        "  peak per rank (MB; predicted)",
     ]
     for name, run in runs.items():
-        every = runs[f"every_layer-{run['schedule']}-{run['stages']}"]["step_time_s"]
+        ref = runs[f"every_layer-{run['schedule']}-{run['stages']}"]
+        every, every_cpu = ref["step_time_s"], ref["step_cpu_s"]
         peaks = ", ".join(
             f"{r['peak_bytes'] / 1e6:.3f}"
             + (f" ({r['predicted_bytes'] / 1e6:.3f})" if r["predicted_bytes"] is not None else "")
@@ -135,6 +139,7 @@ def _table(runs: dict) -> str:
         )
         lines.append(
             f"{name:<22} {run['step_time_s']:>8.3f} {run['step_time_s'] / every:>9.2f} "
+            f"{run['step_cpu_s']:>7.3f} {run['step_cpu_s'] / every_cpu:>9.2f} "
             f"{'yes' if run['fits'] else 'no':>5}  {peaks}"
         )
     return "\n".join(lines)

@@ -24,21 +24,29 @@ TIMEOUT_S = 300
 
 CFG = ModelConfig(layers=4, d_model=64, seq=32, batch=8, heads=2, vocab=128)
 
-#: (schedule, stages, microbatches, layers), each rank's budget: its unchecked peak less
+#: (schedule, stages, microbatches, layers, step(return_outputs=)), each rank's budget: its unchecked peak less
 #: this share of what the smallest plan saves (every rank must plan something; the first
 #: stages, holding more microbatches, more).
 CASES = {
-    "gpipe2": ("gpipe", 2, 4, 4),
-    "1f1b2": ("1f1b", 2, 4, 4),
-    "1f1b4": ("1f1b", 4, 4, 8),
+    "gpipe2": ("gpipe", 2, 4, 4, True),
+    "1f1b2": ("1f1b", 2, 4, 4, True),
+    "1f1b4": ("1f1b", 4, 4, 8, True),
+    "gpipe2_no_outputs": ("gpipe", 2, 4, 4, False),
 }
 SHARE = 0.5
 
 
 def _scenario(name: str, rank: int) -> dict:
-    schedule, stages, n, layers = CASES[name]
+    schedule, stages, n, layers, outputs = CASES[name]
     cfg = ModelConfig(**{**CFG.__dict__, "layers": layers})
-    common = dict(rank=rank, stages=stages, schedule=schedule, microbatches=n, timer="flops")
+    common = dict(
+        rank=rank,
+        stages=stages,
+        schedule=schedule,
+        microbatches=n,
+        timer="flops",
+        return_outputs=outputs,
+    )
     keep = run_rank(cfg, strategy="none", steps=3, grads=True, **common)
     every = run_rank(cfg, strategy="every_layer", steps=2, **common)
     budget = keep.peak_bytes - int(SHARE * (keep.peak_bytes - every.peak_bytes))
@@ -60,6 +68,7 @@ SCENARIOS = {name: (lambda rank, name=name: _scenario(name, rank)) for name in C
         "gpipe2",  # 2 stages, GPipe: each stage holds all 4 microbatches
         "1f1b2",  # 2 stages, 1F1B: stage 0 holds 2, stage 1 one
         "1f1b4",  # 4 stages, 1F1B: 4, 3, 2, 1 in flight
+        "gpipe2_no_outputs",  # step(return_outputs=False): the last stage keeps no outputs
     ],
 )
 def test_each_stage_planned_exactly_within_its_budget(tmp_path, name):

@@ -39,6 +39,7 @@ class RankResult:
         spans: ``[first, last]`` block names of each span of the plan (one checkpoint over
             them; their blocks run as their decision says inside it).
         step_times: wall time of each step after the first.
+        step_cpu_times: the process's CPU time of each of them.
         grads: the stage's gradients of the step after the measured ones (when asked).
         plan: the plan's JSON (``remat``).
     """
@@ -49,6 +50,7 @@ class RankResult:
     budget_bytes: int | None
     decisions: dict[str, str]
     step_times: list[float]
+    step_cpu_times: list[float] = dataclasses.field(default_factory=list)
     spans: list[list[str]] = dataclasses.field(default_factory=list)
     grads: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     plan: str = ""
@@ -86,6 +88,7 @@ def _step(
     *,
     before: Callable[[], None] | None = None,
     optimizer_step: bool = True,
+    return_outputs: bool = True,
 ) -> None:
     """``zero_grad()``, ``before()`` (the tracker's peak reset), the schedule's step
     (dropout seeded by ``i``), ``optimizer.step()``."""
@@ -94,11 +97,11 @@ def _step(
     if before is not None:
         before()
     if x is not None:
-        sched.step(x)
+        sched.step(x, return_outputs=return_outputs)
     elif y is not None:
-        sched.step(target=y)
+        sched.step(target=y, return_outputs=return_outputs)
     else:
-        sched.step()
+        sched.step(return_outputs=return_outputs)
     if optimizer_step:
         opt.step()
 
@@ -116,6 +119,7 @@ def run_rank(
     grads: bool = False,
     timer: str = "time",
     seed: int = 0,
+    return_outputs: bool = True,
 ) -> RankResult:
     """Run ``steps`` training steps of stage ``rank`` of ``stages`` (one rank each).
 
@@ -132,6 +136,7 @@ def run_rank(
             step not taken).
         timer: the planner's cost measure.
         seed: the weights' seed (the dropout's is fixed per step).
+        return_outputs: ``schedule.step(return_outputs=...)``.
     """
     from torch.distributed.pipelining import PipelineStage
 
@@ -162,6 +167,7 @@ def run_rank(
                 target=example_target,
                 optimizer=opt,
                 timer=timer,
+                return_outputs=return_outputs,
             )
             plan.apply(module)
         elif strategy == "every_layer":
@@ -184,16 +190,17 @@ def run_rank(
         x = tokens[:, :-1].contiguous() if first else None
         y = tokens[:, 1:].contiguous() if last else None
         del tokens, example, example_target
-        peak, times = 0, []
+        peak, times, cpu = 0, [], []
         for i in range(steps):
-            start = time.perf_counter()
-            _step(sched, opt, i, x, y, before=tracker.reset_peak)
+            start, start_cpu = time.perf_counter(), time.process_time()
+            _step(sched, opt, i, x, y, before=tracker.reset_peak, return_outputs=return_outputs)
             if i:
                 times.append(time.perf_counter() - start)
+                cpu.append(time.process_time() - start_cpu)
             peak = max(peak, tracker.peak_bytes)
     first_grads: dict[str, torch.Tensor] = {}
     if grads:  # one more step, unmeasured: its gradients
-        _step(sched, opt, steps, x, y, optimizer_step=False)
+        _step(sched, opt, steps, x, y, optimizer_step=False, return_outputs=return_outputs)
         first_grads = {
             n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None
         }
@@ -212,6 +219,7 @@ def run_rank(
         budget_bytes=budget,
         decisions=decisions,
         step_times=times,
+        step_cpu_times=cpu,
         spans=[list(sp) for sp in plan.spans] if plan else [],
         grads=first_grads,
         plan=plan.to_json() if plan else "",
