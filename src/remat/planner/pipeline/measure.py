@@ -16,7 +16,7 @@ from ..measure import profile
 from ..solve import Profile
 from ..stepmodel.schedule import Event, stage_events
 from ..stepmodel.stage import StageBytes
-from .probe import PROBE_LOSS_BYTES, StageProbe, forward_bytes, injected
+from .probe import PROBE_LOSS_BYTES, StageProbe, forward_bytes, injected, tensor_bytes
 
 
 @dataclasses.dataclass
@@ -39,16 +39,6 @@ class StageProfile:
     schedule: str
     stage: int
     stages: int
-
-
-def _bytes_of(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.untyped_storage().nbytes()
-    if isinstance(obj, (tuple, list)):
-        return sum(_bytes_of(o) for o in obj)
-    if isinstance(obj, dict):
-        return sum(_bytes_of(o) for o in obj.values())
-    return 0
 
 
 def _received(args: Sequence[Any]) -> tuple[Any, ...]:
@@ -112,7 +102,7 @@ def profile_stage(
         del out
         loss = injected(grad)
         kept_loss = None
-    kept_keep, out_bytes = forward_bytes(probe, tuple(inputs), kept_loss)
+    fwd = forward_bytes(probe, tuple(inputs), kept_loss)
     common = dict(loss_fn=loss, check_fn=None, distributed=False)
     freed = profile(probe, *inputs, optimizer=optimizer, timer=timer, **common)  # type: ignore[arg-type]
     kept = profile(
@@ -124,9 +114,11 @@ def profile_stage(
         **common,  # type: ignore[arg-type]
     )
     n = microbatches
-    received = 0 if first else n * _bytes_of(list(args))
-    grads_in = 0 if last else n * out_bytes
-    batch = n * (_bytes_of(list(args)) if first else 0) + n * (_bytes_of(target) if last else 0)
+    received = 0 if first else n * tensor_bytes(list(args))
+    grads_in = 0 if last else n * fwd.output
+    batch = n * (tensor_bytes(list(args)) if first else 0) + n * (
+        tensor_bytes(target) if last else 0
+    )
     sizes = StageBytes(
         static=storage_bytes([*module.parameters(), *module.buffers()])
         + received
@@ -134,10 +126,10 @@ def profile_stage(
         + batch,
         optimizer_state=freed.optimizer_state_bytes,
         grads=freed.grad_bytes,
-        kept_keep=kept_keep,
-        output=out_bytes,
-        input_grad=0 if first else _bytes_of(list(args)),
-        loss=4 if last else 0,
+        kept_keep=fwd.kept,
+        output=fwd.output,
+        input_grad=0 if first else tensor_bytes(list(args)),
+        loss=fwd.loss,
         microbatches=n,
         probe_loss=0 if last else PROBE_LOSS_BYTES,
         optimizer_first=freed.optimizer_first_bytes,

@@ -21,12 +21,15 @@ stage's, under ``stage.``: :func:`stage_names` takes the prefix off).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..._bytes import storage_bytes
+from ..._tree import tensors_in
 from ...memory import track
 
 PREFIX = "stage."
@@ -92,24 +95,36 @@ def stage_names(names: dict[str, Any]) -> dict[str, Any]:
     return {n.removeprefix(PREFIX): v for n, v in names.items()}
 
 
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the distinct storages of the tensors in ``obj`` (tuples, lists, dicts)."""
+    found: list[torch.Tensor] = []
+    tensors_in(obj, found)
+    return storage_bytes(found)
+
+
+@dataclasses.dataclass(frozen=True)
+class Forward:
+    """What one microbatch's forward leaves alive until its backward, every block kept.
+
+    Attributes:
+        kept: all of it: saved tensors, the output, the loss (on the last stage).
+        output: the output's bytes.
+        loss: the loss's bytes (0 without ``loss_fn``).
+    """
+
+    kept: int
+    output: int
+    loss: int
+
+
 def forward_bytes(
     probe: StageProbe, args: tuple[Any, ...], loss_fn: Callable[[Any], torch.Tensor] | None
-) -> tuple[int, int]:
-    """What one microbatch's forward leaves alive until its backward with every block kept:
-    its saved tensors and its output (and the loss on the last stage: ``loss_fn`` given), and
-    the output's bytes alone."""
+) -> Forward:
+    """Run one forward of ``probe`` (and ``loss_fn`` on its output, the last stage's) under a
+    tracker: what it leaves alive."""
     with track() as t:
         out = probe(*args)
         loss = loss_fn(out) if loss_fn is not None else None
-        alive = t.current_bytes
-        out_bytes = sum(o.untyped_storage().nbytes() for o in _tensors(out))
+        measured = Forward(t.current_bytes, tensor_bytes(out), tensor_bytes(loss))
         del out, loss
-    return alive, out_bytes
-
-
-def _tensors(out: Any) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (tuple, list)):
-        return [t for o in out for t in _tensors(o)]
-    return []
+    return measured

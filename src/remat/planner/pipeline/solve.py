@@ -26,7 +26,7 @@ from ..apply import apply_plan
 from ..solve import floor, solve
 from ..stepmodel import predicted_cost
 from ..stepmodel.schedule import Action, in_flight
-from ..stepmodel.stage import kept_bytes, stage_peak
+from ..stepmodel.stage import held_bytes, kept_bytes, stage_peak
 from ..types import BlockCosts, Decision, PlanData, ProfileData, Span
 from .measure import StageProfile
 from .probe import PREFIX
@@ -96,24 +96,24 @@ class StagePlan:
         )
 
 
-def _shifted(prof: ProfileData, fwd: int, bwd: int) -> tuple[list[BlockCosts], int, int, int]:
-    """The blocks, ``top``, ``pre`` and ``post`` with the forward terms moved by ``fwd`` and
-    the backward ones by ``bwd``."""
+def _shifted(prof: ProfileData, fwd: int, bwd: int) -> tuple[list[BlockCosts], int]:
+    """The blocks and ``top`` with the forward terms moved by ``fwd`` and the backward ones
+    by ``bwd``."""
     blocks = [
         dataclasses.replace(b, fwd_start=b.fwd_start + fwd, bwd_start=b.bwd_start + bwd)
         for b in prof.blocks
     ]
-    return blocks, prof.top + bwd, prof.pre + fwd, prof.post + bwd
+    return blocks, prof.top + bwd
 
 
 def _merged(
     freed: ProfileData, kept: ProfileData, shifts: tuple[int, int, int]
-) -> tuple[list[BlockCosts], int, int]:
+) -> tuple[list[BlockCosts], int]:
     """One set of terms under one budget of 0: the forward terms (shifted by ``shifts[0]``),
     the first backward's (the freed profile's, by ``shifts[1]``) and the later backwards'
     (the kept profile's, by ``shifts[2]``), each block's backward the larger of the two."""
-    f_blocks, f_top, pre, f_post = _shifted(freed, shifts[0], shifts[1])
-    k_blocks, k_top, _, k_post = _shifted(kept, shifts[0], shifts[2])
+    f_blocks, f_top = _shifted(freed, shifts[0], shifts[1])
+    k_blocks, k_top = _shifted(kept, shifts[0], shifts[2])
     out = []
     for fb, kb in zip(f_blocks, k_blocks):
         start = max(fb.bwd_start, kb.bwd_start)
@@ -122,41 +122,29 @@ def _merged(
             for d, v in fb.bwd_excess.items()
         }
         out.append(dataclasses.replace(fb, bwd_start=start, bwd_excess=excess))
-    return out, max(f_top, k_top), max(pre, max(f_post, k_post))
+    return out, max(f_top, k_top)
 
 
-def _candidate(sp: StageProfile, budget: int, target: int, max_span: int) -> tuple | None:
+def _candidate(
+    sp: StageProfile, budget: int, target: int, max_span: int
+) -> tuple[list[Decision], list[Span]] | None:
     """The least-cost plan whose one-microbatch terms fit the budgets the moments leave with
     at least ``target`` bytes saved (see the module's docstring), or ``None``."""
-    s, ev = sp.sizes, sp.events
-    static = s.static + s.optimizer_state
-    per_mb = s.kept_keep - target
-    room = {Action.FORWARD: budget, "first": budget, "later": budget}
-    for e in ev:
-        held = (
-            e.outputs * s.output
-            + e.input_grads * s.input_grad
-            + e.losses * s.loss
-            + (s.microbatches * s.output if e.merged else 0)
-        )
-        c = static + (s.grads if e.grads else 0) + e.in_flight * per_mb + held
+    fwd = first = later = budget  # what the running microbatch's terms may reach
+    for e in sp.events:
+        c = held_bytes(sp.sizes, e, sp.sizes.kept_keep - target)
         if e.action is Action.BETWEEN:
             if c > budget:
                 return None
         elif e.action is Action.FORWARD:
-            room[Action.FORWARD] = min(room[Action.FORWARD], budget - c)
+            fwd = min(fwd, budget - c)
+        elif e.grads:
+            later = min(later, budget - c + sp.sizes.probe_loss)
         else:
-            key = "later" if e.grads else "first"
-            room[key] = min(room[key], budget - c + s.probe_loss)
-    blocks, top, _ = _merged(
-        sp.freed, sp.kept, (-room[Action.FORWARD], -room["first"], -room["later"])
-    )
-    pre = max(
-        sp.freed.pre - room[Action.FORWARD],
-        sp.freed.post - room["first"],
-        sp.kept.post - room["later"],
-    )
-    if pre > 0:
+            first = min(first, budget - c + sp.sizes.probe_loss)
+    blocks, top = _merged(sp.freed, sp.kept, (-fwd, -first, -later))
+    fixed = max(sp.freed.pre - fwd, sp.freed.post - first, sp.kept.post - later)
+    if fixed > 0:  # a term no plan moves (before the blocks, after them in backward)
         return None
     top = max(top, target)  # the chain's last term: top - S <= 0 needs S >= target
     return solve(

@@ -42,7 +42,7 @@ from .peak import activation_terms, plan_terms
 from .schedule import Action, Event
 from .segments import layout
 
-__all__ = ["Moment", "StageBytes", "kept_bytes", "phase_terms", "stage_peak"]
+__all__ = ["Moment", "StageBytes", "held_bytes", "kept_bytes", "phase_terms", "stage_peak"]
 
 _AWAY = 2**50
 """A shift that takes a term out of the largest (no step holds a petabyte)."""
@@ -112,6 +112,22 @@ def phase_terms(
     return fwd, bwd
 
 
+def held_bytes(sizes: StageBytes, e: Event, per_mb: int) -> int:
+    """What the rank holds at moment ``e`` before the running microbatch's own term: its
+    static bytes (with the optimizer's state), the gradients once made, ``per_mb`` bytes per
+    microbatch in flight, and what the schedule still references of finished ones."""
+    return (
+        sizes.static
+        + sizes.optimizer_state
+        + (sizes.grads if e.grads else 0)
+        + e.in_flight * per_mb
+        + e.outputs * sizes.output
+        + e.input_grads * sizes.input_grad
+        + e.losses * sizes.loss
+        + (sizes.microbatches * sizes.output if e.merged else 0)
+    )
+
+
 def stage_peak(
     freed: ProfileData,
     kept: ProfileData,
@@ -134,16 +150,9 @@ def stage_peak(
     per_mb = kept_bytes(freed, sizes.kept_keep, ds, spans)
     fwd, bwd_first = phase_terms(freed, ds, spans)
     _, bwd_later = phase_terms(kept, ds, spans)
-    static = sizes.static + sizes.optimizer_state
     best = Moment(-1, "")
     for e in moments:
-        held = (
-            e.outputs * sizes.output
-            + e.input_grads * sizes.input_grad
-            + e.losses * sizes.loss
-            + (sizes.microbatches * sizes.output if e.merged else 0)
-        )
-        alive = static + (sizes.grads if e.grads else 0) + e.in_flight * per_mb + held
+        alive = held_bytes(sizes, e, per_mb)
         if e.action is Action.FORWARD:
             alive += fwd
         elif e.action is Action.BACKWARD:
@@ -152,7 +161,7 @@ def stage_peak(
             best = Moment(alive, str(e))
     if freed.optimizer is not None:
         first = sizes.static + sizes.grads + sizes.optimizer_first
-        later = static + sizes.grads + sizes.optimizer_later
+        later = sizes.static + sizes.optimizer_state + sizes.grads + sizes.optimizer_later
         for b, at in ((first, "optimizer.step() (first)"), (later, "optimizer.step()")):
             if b > best.bytes:
                 best = Moment(b, at)
