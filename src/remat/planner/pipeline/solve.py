@@ -10,8 +10,9 @@ bound on one microbatch's forward or backward terms (``term <= budget - c(e) - h
 T)``: one budget per phase, which shifting the forward and backward terms apart turns into
 one), and ``S >= T`` is the chain's last term (``top - S <= budget``). :func:`solve_stage`
 solves that for targets ``T`` on a grid from 0 to what the smallest plan saves, keeps the
-plans whose exact peak fits, and returns the cheapest (fewest checkpointed blocks among
-equals): exact in what it predicts, optimal up to the grid's step in ``T``.
+plans whose exact peak fits, and returns the cheapest (among equals the fewest blocks
+checkpointed, a span's blocks included, then the fewest spans): exact in what it predicts,
+optimal up to the grid's step in ``T``.
 """
 
 from __future__ import annotations
@@ -183,7 +184,9 @@ def solve_stage(sp: StageProfile, budget: int, *, max_span: int = 16) -> StagePl
         if peak.bytes > budget:
             continue
         cost = predicted_cost(freed.blocks, ds, spans) * sp.sizes.microbatches
-        rank = (cost, sum(d is not Decision.KEEP for d in ds), len(spans))
+        in_spans = sum(s.last - s.first + 1 for s in spans)
+        checked = sum(d is not Decision.KEEP for d in ds) + in_spans
+        rank = (cost, checked, len(spans))  # equal cost: fewer blocks checkpointed, no spans
         if best is None or rank < best[0]:
             best = (rank, ds, spans, peak)
     unchecked = stage_peak(freed, sp.kept, sp.sizes, sp.events, keep)
