@@ -79,3 +79,22 @@ def test_refuses_what_torch_refuses(kwargs, match):
     schedule = kwargs.pop("schedule")
     with pytest.raises(ValueError, match=match):
         stage_events(schedule, **kwargs)
+
+
+def test_held_bytes_counts_each_kind_once():
+    from remat.planner.stepmodel.stage import StageBytes, held_bytes
+
+    sizes = StageBytes(
+        static=1000,
+        optimizer_state=200,
+        grads=300,
+        kept_keep=50,
+        output=7,
+        input_grad=5,
+        loss=4,
+        microbatches=3,
+    )
+    end = stage_events("gpipe", stage=1, stages=2, microbatches=3)[-1]
+    assert end.merged and end.grads and end.in_flight == 0
+    # static + state + grads + 3 held outputs + 3 input grads + 3 losses + 3 merged outputs
+    assert held_bytes(sizes, end, per_mb=50) == 1000 + 200 + 300 + 21 + 15 + 12 + 21
