@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import remat
-from remat.planner.pipeline import profile_stage, solve_stage
+from remat.planner.pipeline import StagePlan, profile_stage, solve_stage
 
 
 def _stage() -> torch.nn.Module:
@@ -90,6 +90,7 @@ def test_plan_names_the_stage_modules_blocks_and_applies_in_place():
     got = torch.autograd.grad(module(x).sum(), list(module.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
     assert json.loads(plan.to_json())["stage"] == 0
+    assert StagePlan.from_json(plan.to_json()) == plan
     assert "stage 0/2 (gpipe" in str(plan)
 
 
@@ -111,3 +112,23 @@ def test_last_stage_needs_its_loss_and_target():
             microbatches=2,
             budget=10**9,
         )
+
+
+@pytest.mark.parametrize(
+    "options, error, match",
+    [
+        # a share has nothing to be a share of: the budget is absolute bytes
+        (dict(budget="50%"), ValueError, "absolute bytes"),
+        # torch's 1F1B refuses fewer microbatches than stages
+        (dict(microbatches=1), ValueError, "at least"),
+        (dict(schedule="interleaved1f1b"), ValueError, "schedule must be"),
+    ],
+)
+def test_options_are_checked_before_any_step(options, error, match):
+    module = _stage()
+    calls = []
+    module.register_forward_hook(lambda *a: calls.append(1))
+    kwargs = dict(stage_index=0, num_stages=2, schedule="1f1b", microbatches=4, budget=10**9)
+    with pytest.raises(error, match=match):
+        remat.plan_pipeline_stage(module, torch.randn(4, 64), **{**kwargs, **options})
+    assert not calls

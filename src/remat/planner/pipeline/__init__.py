@@ -128,6 +128,13 @@ def plan_pipeline_stage(
             f"stage_index={index!r}, num_stages={count!r}."
         )
     name = _schedule_name(schedule)
+    if isinstance(budget, str) and budget.strip().endswith("%"):
+        raise ValueError(
+            f"remat.plan_pipeline_stage: budget must be absolute bytes (2**30, '3GiB'), got "
+            f"{budget!r}: a share of a stage's step has no unchecked step of the pipeline to "
+            "be a share of."
+        )
+    limit = parse_budget(budget, 0, 1)
     sp = profile_stage(
         module,
         args,
@@ -141,4 +148,4 @@ def plan_pipeline_stage(
         return_outputs=return_outputs,
         timer=timer,
     )
-    return solve_stage(sp, parse_budget(budget, 0, 1), max_span=max_span)
+    return solve_stage(sp, limit, max_span=max_span)

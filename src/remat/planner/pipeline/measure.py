@@ -78,6 +78,14 @@ def profile_stage(
     first stage's inputs, the last stage's target) is counted as ``microbatches`` times one
     microbatch's.
     """
+    # the schedule's counts first: options are checked before any step runs
+    events = stage_events(
+        schedule,
+        stage=stage,
+        stages=stages,
+        microbatches=microbatches,
+        return_outputs=return_outputs,
+    )
     first, last = stage == 0, stage == stages - 1
     probe = StageProbe(module)
     loss: Callable[[Any], torch.Tensor]
@@ -134,8 +142,5 @@ def profile_stage(
         probe_loss=0 if last else PROBE_LOSS_BYTES,
         optimizer_first=freed.optimizer_first_bytes,
         optimizer_later=freed.optimizer_later_bytes,
-    )
-    events = stage_events(
-        schedule, stage=stage, stages=stages, microbatches=n, return_outputs=return_outputs
     )
     return StageProfile(freed, kept, sizes, events, schedule, stage, stages)

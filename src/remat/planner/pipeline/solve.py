@@ -86,6 +86,23 @@ class StagePlan:
         """Plain JSON."""
         return json.dumps(dataclasses.asdict(self), indent=2)
 
+    @classmethod
+    def from_json(cls, text: str) -> StagePlan:
+        """Read a plan written by :meth:`to_json` (another rank's, a saved one).
+
+        Raises:
+            PlanError: the JSON has fields this version does not know.
+        """
+        data = json.loads(text)
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise PlanError(
+                f"StagePlan.from_json: unknown fields {unknown}; the JSON was not written by "
+                "StagePlan.to_json of this remat version."
+            )
+        data["decisions"] = {n: Decision(d) for n, d in data["decisions"].items()}
+        return cls(**data)
+
     def __str__(self) -> str:
         checked = {n: str(d) for n, d in self.decisions.items() if d is not Decision.KEEP}
         return (
