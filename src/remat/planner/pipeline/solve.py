@@ -181,6 +181,18 @@ def solve_stage(sp: StageProfile, budget: int, *, max_span: int = 16) -> StagePl
 
     Raises:
         PlanError: no plan fits (the message gives the smallest peak reachable).
+
+    Example:
+        >>> import torch
+        >>> from remat.planner.pipeline import profile_stage
+        >>> stage = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(3)])
+        >>> sp = profile_stage(stage, (torch.randn(8, 32),), schedule="gpipe", stage=0,
+        ...     stages=2, microbatches=4, timer="flops")
+        >>> [str(e) for e in sp.events][:2]
+        ['F0 (in flight 0)', 'F1 (in flight 1)']
+        >>> plan = solve_stage(sp, 10**9)
+        >>> plan.in_flight, plan.predicted_peak_bytes == plan.unchecked_peak_bytes
+        (4, True)
     """
     freed = sp.freed
     n = len(freed.blocks)
