@@ -11,7 +11,7 @@ import pytest
 EXAMPLES = sorted((pathlib.Path(__file__).parent.parent / "examples").glob("*.py"))
 
 #: Examples that start several processes: slow tests, as the project's multi-process ones.
-MULTI_PROCESS = {"torchrun_plan.py"}
+MULTI_PROCESS = {"torchrun_plan.py", "pipeline_plan.py"}
 
 
 def _param(script: pathlib.Path) -> object:

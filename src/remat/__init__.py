@@ -38,9 +38,11 @@ from .planner import (
     Profile,
     ShapePlans,
     Shapes,
+    StagePlan,
     auto_checkpoint,
     measure_peak,
     plan,
+    plan_pipeline_stage,
     profile,
 )
 from .policies import CheckpointPolicy
@@ -67,6 +69,7 @@ __all__ = [
     "SelectiveCheckpointContext",
     "ShapePlans",
     "Shapes",
+    "StagePlan",
     "apply_activation_checkpointing",
     "auto_checkpoint",
     "check_backward_validity",
@@ -86,6 +89,7 @@ __all__ = [
     "offload",
     "offload_wrapper",
     "plan",
+    "plan_pipeline_stage",
     "policies",
     "profile",
     "set_checkpoint_debug_enabled",

@@ -142,6 +142,55 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
+class GPTStage(nn.Module):
+    """One stage of a :class:`GPT` split for pipeline parallelism: the first stage embeds the
+    tokens, the last returns the logits (the loss is the schedule's, :func:`lm_loss`); each
+    runs its share of the blocks. The modules are the GPT's own (shared, not copied)."""
+
+    def __init__(self, gpt: GPT, stage: int, stages: int) -> None:
+        super().__init__()
+        n = len(gpt.blocks)
+        if not 0 <= stage < stages <= n:
+            raise ValueError(
+                f"GPTStage: stage {stage} of {stages} for {n} blocks; need 0 <= stage < "
+                f"stages <= blocks."
+            )
+        lo, hi = stage * n // stages, (stage + 1) * n // stages
+        self.first, self.last = stage == 0, stage == stages - 1
+        self.embed = gpt.embed if self.first else None
+        self.pos = gpt.pos if self.first else None
+        self.blocks = nn.ModuleList(gpt.blocks[lo:hi])
+        self.ln = gpt.ln if self.last else None
+        self.head = gpt.head if self.last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None and self.pos is not None:
+            x = self.embed(x) + self.pos[: x.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        if self.ln is not None and self.head is not None:
+            x = self.head(self.ln(x))
+        return x
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The language-model loss of :class:`GPT` on logits and next tokens (a pipeline
+    schedule's ``loss_fn``).
+
+    Example:
+        >>> from remat.bench.models import ModelConfig, GPTStage, build, example_input, lm_loss
+        >>> cfg = ModelConfig(layers=2, d_model=32, seq=16, batch=2, heads=2, vocab=64, dropout=0.0)
+        >>> gpt, tokens = build(cfg), example_input(cfg)
+        >>> stages = [GPTStage(gpt, s, 2) for s in range(2)]
+        >>> x = tokens[:, :-1]
+        >>> for st in stages:
+        ...     x = st(x)
+        >>> torch.equal(lm_loss(x, tokens[:, 1:]), gpt(tokens))
+        True
+    """
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
 class MLPBlock(nn.Module):
     """Residual MLP block: LayerNorm, Linear 4x, GELU, Linear, dropout."""
 

@@ -39,7 +39,8 @@ Data flows one way, each module importing only those before it::
   work, timed once and cached), :mod:`.timing` (what each decision costs: modelled seconds,
   measured seconds or FLOPs), :mod:`.scratch` (scratch inside operators),
   :mod:`.amp` (the mixed-precision recipe), :mod:`.sharded` (FSDP2, DDP bytes),
-  :mod:`.distributed` (one profile, one plan for all ranks).
+  :mod:`.distributed` (one profile, one plan for all ranks), :mod:`.pipeline` (a plan per
+  pipeline stage for the microbatches its schedule holds: :func:`plan_pipeline_stage`).
 
 Words, each with one meaning here:
 
@@ -62,6 +63,7 @@ Words, each with one meaning here:
 from .auto import auto_checkpoint, measure_peak
 from .inputs import Inputs
 from .measure import profile
+from .pipeline import StagePlan, plan_pipeline_stage
 from .shapes import ShapePlans, Shapes
 from .solve import Plan, Profile, plan
 
@@ -71,8 +73,10 @@ __all__ = [
     "Profile",
     "ShapePlans",
     "Shapes",
+    "StagePlan",
     "auto_checkpoint",
     "measure_peak",
     "plan",
+    "plan_pipeline_stage",
     "profile",
 ]

@@ -3,7 +3,8 @@
 This package is the one home of the model (:mod:`.derive`: the per-block terms;
 :mod:`.segments`: blocks and spans; :mod:`.peak`: the step's peak, cost and attribution;
 :mod:`.allocator`: the scratch inside operators in the window it happens in;
-:mod:`.budget`: budgets): the per-block terms derived from the measured timelines (corrections for pair effects included), the segments a plan is cut into (one
+:mod:`.budget`: budgets; :mod:`.schedule` and :mod:`.stage`: a pipeline stage's step, one
+microbatch's terms priced at every moment of its schedule): the per-block terms derived from the measured timelines (corrections for pair effects included), the segments a plan is cut into (one
 running-sum accumulator per kind of segment, which the reference evaluation and the chain
 dynamic program both read), the peak of a step and where it falls, the cost of a plan and
 what each block saves and adds. Nothing else in the planner writes a formula of the model.

@@ -1,0 +1,134 @@
+"""``remat.plan_pipeline_stage`` in one process: a stage's module planned for its schedule
+(the runs of real pipelines are ``test_pipeline_ranks.py``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import remat
+from remat.planner.pipeline import StagePlan, profile_stage, solve_stage
+
+
+def _stage() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        *[
+            torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+            for _ in range(4)
+        ]
+    )
+
+
+def _profile(stage: int, stages: int = 4, schedule: str = "1f1b"):
+    return profile_stage(
+        _stage(),
+        (torch.randn(16, 64),),
+        schedule=schedule,
+        stage=stage,
+        stages=stages,
+        microbatches=8,
+        timer="flops",
+    )
+
+
+def test_first_stage_checkpoints_more_at_one_budget():
+    first, later = _profile(0), _profile(2)  # 4 and 2 microbatches in flight
+    budget = (
+        solve_stage(first, 10**12).unchecked_peak_bytes
+        + solve_stage(later, 10**12).unchecked_peak_bytes
+    ) // 2
+    p0, p2 = solve_stage(first, budget), solve_stage(later, budget)
+    assert p0.predicted_peak_bytes <= budget and p2.predicted_peak_bytes <= budget
+    checked = [sum(d != "keep" for d in p.decisions.values()) for p in (p0, p2)]
+    assert checked[0] > checked[1], checked
+    assert (p0.in_flight, p2.in_flight) == (4, 2)
+
+
+def test_unchecked_plan_when_the_budget_allows():
+    sp = _profile(0)
+    plan = solve_stage(sp, 10**12)
+    assert set(map(str, plan.decisions.values())) == {"keep"}
+    assert plan.predicted_peak_bytes == plan.unchecked_peak_bytes
+    assert plan.predicted_overhead_s == 0
+
+
+def test_budget_below_every_plan_raises_with_the_smallest_peak():
+    with pytest.raises(remat.PlanError, match="smallest predicted peak"):
+        solve_stage(_profile(0), 1000)
+
+
+def test_plan_names_the_stage_modules_blocks_and_applies_in_place():
+    module = _stage()
+    x = torch.randn(16, 64)
+    ref = torch.autograd.grad(module(x).sum(), list(module.parameters()))
+    unchecked = remat.plan_pipeline_stage(
+        module,
+        x,
+        stage_index=0,
+        num_stages=2,
+        schedule="gpipe",
+        microbatches=4,
+        budget=10**12,
+        timer="flops",
+    ).unchecked_peak_bytes
+    plan = remat.plan_pipeline_stage(
+        module,
+        x,
+        stage_index=0,
+        num_stages=2,
+        schedule="gpipe",
+        microbatches=4,
+        budget=unchecked - 1,
+        timer="flops",
+    )
+    assert set(plan.decisions) == {"0", "1", "2", "3"}
+    assert any(d != "keep" for d in plan.decisions.values())
+    plan.apply(module)
+    got = torch.autograd.grad(module(x).sum(), list(module.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert json.loads(plan.to_json())["stage"] == 0
+    assert StagePlan.from_json(plan.to_json()) == plan
+    assert "stage 0/2 (gpipe" in str(plan)
+
+
+def test_needs_the_stage_index_for_a_plain_module():
+    with pytest.raises(TypeError, match="stage_index"):
+        remat.plan_pipeline_stage(
+            _stage(), torch.randn(4, 64), schedule="1f1b", microbatches=2, budget=10**9
+        )
+
+
+def test_last_stage_needs_its_loss_and_target():
+    with pytest.raises(ValueError, match="loss_fn"):
+        remat.plan_pipeline_stage(
+            _stage(),
+            torch.randn(4, 64),
+            stage_index=1,
+            num_stages=2,
+            schedule="1f1b",
+            microbatches=2,
+            budget=10**9,
+        )
+
+
+@pytest.mark.parametrize(
+    "options, error, match",
+    [
+        # a share has nothing to be a share of: the budget is absolute bytes
+        (dict(budget="50%"), ValueError, "absolute bytes"),
+        # torch's 1F1B refuses fewer microbatches than stages
+        (dict(microbatches=1), ValueError, "at least"),
+        (dict(schedule="interleaved1f1b"), ValueError, "schedule must be"),
+    ],
+)
+def test_options_are_checked_before_any_step(options, error, match):
+    module = _stage()
+    calls = []
+    module.register_forward_hook(lambda *a: calls.append(1))
+    kwargs = dict(stage_index=0, num_stages=2, schedule="1f1b", microbatches=4, budget=10**9)
+    with pytest.raises(error, match=match):
+        remat.plan_pipeline_stage(module, torch.randn(4, 64), **{**kwargs, **options})
+    assert not calls
