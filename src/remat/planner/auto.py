@@ -22,10 +22,11 @@ from .._tree import tensors_in
 from ..memory import BlockHooks
 from . import advice
 from .apply import restore_state, snapshot_state
+from .checks import check_options
 from .distributed import active, agree_max, agree_min, agree_profile, agree_same
 from .inputs import Inputs, model_inputs
 from .loop import Loop, Step
-from .meta import is_meta
+from .meta import check_not_mixed, is_meta
 from .probes import WindowMarks
 from .progress import Progress
 from .render import fmt_bytes
@@ -69,7 +70,9 @@ def step_peaks(
     args, kwargs = model_inputs(args, kwargs, "remat.measure_peak")
     check_module(model, "remat.measure_peak")
     check_grad_enabled("remat.measure_peak")
-    check_step_options("remat.measure_peak", optimizer, set_to_none)
+    check_options(
+        "remat.measure_peak", optimizer=optimizer, set_to_none=set_to_none, loss_fn=loss_fn
+    )
     loop = Loop(optimizer=optimizer, set_to_none=set_to_none, loss_fn=loss_fn)
     return loop_peaks(model, Inputs(*args, **kwargs), loop, steps)[0]
 
@@ -395,7 +398,18 @@ def auto_checkpoint(
     args, kwargs = model_inputs(args, kwargs, "remat.auto_checkpoint")
     check_module(model, "remat.auto_checkpoint")
     check_grad_enabled("remat.auto_checkpoint")
-    check_step_options("remat.auto_checkpoint", optimizer, set_to_none)  # before any twin
+    # every option before any step (and before any twin of the model is made)
+    check_options(
+        "remat.auto_checkpoint", budget=budget, optimizer=optimizer, set_to_none=set_to_none,
+        loss_fn=loss_fn, check_fn=check_fn, timer=timer, distributed=distributed, quiet=quiet,
+        diagnose=diagnose, shapes=shapes, device=device,
+    )  # fmt: skip
+    check_not_mixed(model, (args, kwargs), "remat.auto_checkpoint")
+    if profile is not None and not isinstance(profile, Profile):
+        raise TypeError(
+            f"remat.auto_checkpoint: profile= must be a remat.Profile (from remat.profile), "
+            f"got {type(profile).__name__}. Pass the profile of this model, or None to profile now."
+        )
     loop = Loop(optimizer, set_to_none, loss_fn, check_fn, timer, distributed)
     agree = active(distributed)
     inputs = Inputs(*args, **kwargs)

@@ -50,10 +50,11 @@ from ..memory import BlockHooks
 from .amp import outside
 from .apply import apply_decision, restore_state, snapshot_state
 from .calibration import make_clock
+from .checks import TIMERS, check_options
 from .distributed import active, agree_profile, agree_same
 from .inputs import Inputs, model_inputs
 from .loop import Loop, Step
-from .meta import check_no_autocast, is_meta, shapes_only, target_device
+from .meta import check_no_autocast, check_not_mixed, is_meta, shapes_only, target_device
 from .probes import (
     CallCount,
     InputFrees,
@@ -199,6 +200,11 @@ def profile(
         (['0', '1', '2'], 3264)
     """
     args, kwargs = model_inputs(args, kwargs, "remat.profile")
+    check_options(
+        "remat.profile", optimizer=optimizer, set_to_none=set_to_none, loss_fn=loss_fn,
+        check_fn=check_fn, timer=timer, distributed=distributed, device=device,
+        repeats=repeats, threads=threads, calibration=calibration,
+    )  # fmt: skip
     loop = Loop(optimizer, set_to_none, loss_fn, check_fn, timer, distributed)
     return profile_loop(
         model, Inputs(*args, **kwargs), loop, decisions=decisions, repeats=repeats,
@@ -230,6 +236,7 @@ def profile_loop(
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"remat.profile: repeats must be an int >= 1, got {repeats!r}.")
     check_step_options("remat.profile", loop.optimizer, loop.set_to_none)
+    check_not_mixed(model, (args, kwargs), "remat.profile")
     shaped = is_meta(model, (args, kwargs))
     target = target_device(device, "remat.profile") if shaped else None
     if shaped:
@@ -312,10 +319,6 @@ def plan_scratch(
             return window_scratch(step, step.device)
     finally:
         step.state.restore()
-
-
-#: The cost measures ``remat.profile`` knows (see its ``timer`` argument).
-TIMERS = ("time", "measured", "flops")
 
 
 def _decisions(

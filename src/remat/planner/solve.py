@@ -44,6 +44,7 @@ from .stepmodel import (
     budget_of,
     predicted_cost,
     predicted_peak,
+    share_note,
     solver_terms,
     step_peak,
     unchecked_peak,
@@ -383,7 +384,10 @@ def plan(
     checked_all = unchecked_peak(alloc)
     low_ds, low_spans, low = floor(alloc, longest)
     if low.bytes > budget_bytes:
-        raise PlanError(_miss(profile, budget_bytes, low_ds, low_spans, low, checked_all))
+        raise PlanError(
+            _miss(profile, budget_bytes, low_ds, low_spans, low, checked_all)
+            + share_note(profile, budget, low.bytes)
+        )
     n = len(profile.blocks)
     found: tuple[list[Decision], list[Span]] | None = None
     if profile.shared_bytes and checked_all.bytes <= budget_bytes:
