@@ -176,3 +176,11 @@ def test_a_meta_model_with_meta_inputs_is_planned_from_shapes():
         model, torch.empty(4, 16, device="meta"), budget="100%", timer="flops", quiet=True
     )
     assert plan.predicted_peak_bytes <= plan.budget_bytes
+
+
+def test_auto_checkpoint_refusing_a_percentage_names_the_smallest_reachable_share():
+    model, x = make_model("mlp")
+    before = _untouched(model)
+    with pytest.raises(remat.PlanError, match="the smallest reachable share is budget='"):
+        remat.auto_checkpoint(model, x, budget="1%", timer="flops", quiet=True)
+    _assert_same(model, before)

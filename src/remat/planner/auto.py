@@ -41,7 +41,7 @@ from .state import (
     optimizer_tensors,
     static_bytes,
 )
-from .stepmodel import budget_of, located
+from .stepmodel import budget_of, located, share_note
 from .types import Window, WindowKind
 
 log = logging.getLogger("remat")
@@ -438,7 +438,11 @@ def auto_checkpoint(
     if agree:
         (target,) = agree_min([target])
     say(f"planning for {fmt_bytes(target)}")
-    chosen = plan(prof, target)
+    try:
+        chosen = plan(prof, target)
+    except PlanError as e:  # a share no plan reaches: say what is fixed, what is reachable
+        note = share_note(prof, budget, prof.smallest_budget_bytes)
+        raise PlanError(f"{e}{note}") from None
     blocks = {n: model.get_submodule(n) for n in candidates(model, check_fn)}
     if meta:  # nothing to run: the plan is the answer
         chosen.apply(model)
