@@ -214,6 +214,10 @@ class Explanation:
             lines += ["", title]
             lines += _tensor_rows(shown)
         lines += ["", f"Peak of the step: {self.peak.describe()}"]
+        lines.append(
+            "  (what the step allocates above its start; a budget's step peak also counts the "
+            "parameters, buffers and inputs it starts with: remat.measure_peak)"
+        )
         if self.regions:
             lines += ["", "  checkpoints"]
             w = max(len(r.label) for r in self.regions)
