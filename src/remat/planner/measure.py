@@ -63,6 +63,7 @@ from .probes import (
     kept_outputs,
     offload_inputs,
 )
+from .progress import bar
 from .scratch import window_scratch
 from .sharded import is_ddp, reshard, unsharded_storages
 from .solve import Profile
@@ -370,13 +371,30 @@ def _measure(
     repeats: int,
     calibration: str | None = None,
 ) -> Measurements:
-    """Steps 1-5 of the module docstring: their raw record."""
+    """Steps 1-5 of the module docstring: their raw record, counted on a progress bar
+    (:func:`~remat.planner.progress.bar`: the warm-up, the probes, the scratch step, one
+    step per decision, the costs)."""
+    total = 3 + len(decisions) + (1 if step.target is None else 0)
+    with bar(total, "profiling") as ticks:
+        return _measure_steps(step, blocks, decisions, repeats, calibration, ticks.update)
+
+
+def _measure_steps(
+    step: Step,
+    blocks: dict[str, nn.Module],
+    decisions: list[Decision],
+    repeats: int,
+    calibration: str | None,
+    tick: Callable[[], object],
+) -> Measurements:
+    """:func:`_measure`'s steps; ``tick()`` after each."""
     model, names, modules = step.model, list(blocks), list(blocks.values())
     timer, optimizer = step.loop.timer, step.loop.optimizer
     n = len(names)
     calls = CallCount(names)
     with BlockHooks(modules, calls):
         step()  # warm-up; with set_to_none=False its gradients stay for every later step
+    tick()
     calls.check()
     names = calls.in_call_order()  # the chain the step model plans: the order forward runs
     blocks = {nm: blocks[nm] for nm in names}
@@ -389,6 +407,7 @@ def _measure(
         offload = offload_inputs(model, modules, step.args, step.kwargs, step.state, before)
     if is_ddp(model):  # DDP rebuilds its buckets in the second step: not in a measured one
         step()
+    tick()
     # The scratch of each window with the blocks kept, whatever the model's own wrapping (put
     # back by the caller). After the offload probes the blocks stay as their last forward
     # left them (some checkpointed: their forward's scratch is then also counted in their
@@ -404,6 +423,7 @@ def _measure(
         step.clear_grads()
         with BlockHooks(modules, WindowMarks(n)):
             scratch = window_scratch(step, step.device)
+        tick()
     storages = unsharded_storages(model)
     grads = grad_bytes(step.state.grad_params, step.counted)
     splittable = {nm for nm, mod in blocks.items() if can_split(mod)}
@@ -445,6 +465,7 @@ def _measure(
             )
             if d is KEEP:
                 keep_cost = float(sorted(step.costs)[len(step.costs) // 2])
+        tick()
     if timer == "time":
         moved = _offloaded(names, lines) if OFFLOAD in lines else None
         priced = step.target if step.target is not None else step.device
@@ -460,6 +481,7 @@ def _measure(
         flops = flop_costs(model, blocks, step.args, step.kwargs, step.loop.loss_fn, measured)
         times = {Decision(d): v for d, v in flops.items()}
         noise = {d: dict.fromkeys(names, 0.0) for d in decisions}
+    tick()
     return Measurements(
         names=names,
         decisions=list(decisions),

@@ -47,7 +47,7 @@ from .apply import restore_state, snapshot_state
 from .distributed import active, agree_max, agree_min
 from .inputs import Inputs
 from .loop import Loop
-from .progress import Progress
+from .progress import Progress, bar
 from .render import fmt_bytes
 from .shaped import ProfileSource
 from .shapefit import ShapeFit
@@ -431,7 +431,12 @@ def shape_plans(
         what = f"{count[0]} of {len(knots)}" if count[0] <= len(knots) else "checking the fit"
         return source(Inputs(*a, **k), f" at size {size} ({what})", timer=timer)
 
-    fit = ShapeFit({n: profile_at(n, loop.timer) for n in knots})
+    with say.active(), bar(len(knots), "profiling sizes", unit="size") as sizes:
+        profiles = {}
+        for n in knots:
+            profiles[n] = profile_at(n, loop.timer)
+            sizes.update()
+    fit = ShapeFit(profiles)
     # Bytes do not depend on the timer: the checks count FLOPs, the cheapest steps.
     missed = fit.refine(
         lambda n: profile_at(n, "flops"), multiple=shapes.multiple, limit=shapes.checks
