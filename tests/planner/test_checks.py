@@ -184,3 +184,13 @@ def test_auto_checkpoint_refusing_a_percentage_names_the_smallest_reachable_shar
     with pytest.raises(remat.PlanError, match="the smallest reachable share is budget='"):
         remat.auto_checkpoint(model, x, budget="1%", timer="flops", quiet=True)
     _assert_same(model, before)
+
+
+def test_token_ids_on_the_host_beside_a_meta_model_are_planned_as_before():
+    with torch.device("meta"):
+        model = torch.nn.Sequential(
+            torch.nn.Embedding(32, 16), *[torch.nn.Linear(16, 16) for _ in range(3)]
+        )
+    ids = torch.randint(0, 32, (4, 8))  # indices: torch's meta kernels read them from the host
+    plan = remat.auto_checkpoint(model, ids, budget="100%", timer="flops", quiet=True)
+    assert plan.predicted_peak_bytes <= plan.budget_bytes

@@ -71,7 +71,9 @@ def check_not_mixed(model: nn.Module, args: Any, where: str) -> None:
     are on the meta device and others are not (torch would fail inside the first step with
     "Tensor on device meta is not on the expected device" or "Cannot copy out of meta
     tensor"): naming which are where and the two ways out. A 0-dimensional input (a
-    scalar) may be anywhere.
+    scalar) may be anywhere, and so may integer and boolean inputs beside a model on meta
+    (token ids, masks: torch's meta kernels take them from the host, as ``nn.Embedding``
+    does).
 
     Example:
         >>> import torch
@@ -88,6 +90,8 @@ def check_not_mixed(model: nn.Module, args: Any, where: str) -> None:
     own = [*model.parameters(), *model.buffers()]
     inputs = [t for t in found if t.dim() > 0]
     model_meta = {t.is_meta for t in own}
+    if model_meta == {True}:  # indices and masks may stay on the host
+        inputs = [t for t in inputs if t.is_floating_point() or t.is_complex()]
     input_meta = {t.is_meta for t in inputs}
     if len(model_meta | input_meta) < 2:
         return
