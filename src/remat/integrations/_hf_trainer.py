@@ -89,6 +89,12 @@ class RematCallback(TrainerCallback):  # type: ignore[misc]
     :mod:`remat.integrations._hf_trainer` for where each happens. The model keeps the
     plan after training; :func:`remat.integrations.hf.uncheckpoint_layers` undoes it.
 
+    With ``TrainingArguments(activation_checkpointing=True)`` (or its deprecated alias
+    ``gradient_checkpointing=True``, or ``model.activation_checkpointing_enable()``) the
+    callback turns transformers' own checkpointing off and plans the layers it would have
+    checkpointed, saying so once (logger ``"remat"``). Every option is checked here, when
+    the callback is made, not on the first batch.
+
     Args:
         budget: the step's peak: bytes (``2**30``, ``"18GiB"``) or a share of what the
             unchecked step allocates above its static bytes (``"60%"``), as in

@@ -336,8 +336,10 @@ def auto_checkpoint(
             option of this function (``timer``, ``profile``, ``budget``, ...), pass
             ``auto_checkpoint(model, remat.Inputs(x, timer=t), budget=...)``.
         budget: as in :func:`remat.plan`: the step's peak in bytes (``2**30``,
-            ``"18GiB"``) or ``"60%"`` of what the unchecked step allocates above
-            its static bytes.
+            ``"18GiB"``, ``"50B"``) or ``"60%"`` of what the unchecked step allocates above
+            its static bytes (a percentage no plan reaches: ``PlanError`` names the
+            smallest reachable one). A bare number string (``"50"``) is refused, naming
+            both readings. Its form is checked before any step, with every other option.
         optimizer: the optimizer of the training loop (its state and step are
             part of the peak); ``None`` models no optimizer step.
         set_to_none: how the loop clears gradients (see :func:`remat.profile`).
@@ -345,7 +347,8 @@ def auto_checkpoint(
             model that computes its own loss), else the sum of its floating outputs.
         check_fn: picks the candidate blocks (default: the repeated blocks).
         timer: ``"time"``, ``"measured"`` or ``"flops"`` (see :func:`remat.profile`).
-        quiet: do not log re-planning.
+        quiet: print nothing: no stage lines, no progress bar (a ``tqdm`` bar counts each
+            profile's steps), no re-planning warnings.
         profile: a :class:`~remat.Profile` of this model measured before (by
             :func:`remat.profile` with the same inputs, optimizer, ``set_to_none``
             and ``check_fn``), to plan several budgets without profiling again;

@@ -328,7 +328,11 @@ def plan(
             state and activations, as ``torch.cuda.max_memory_allocated()`` does; or a
             percentage above ``0%`` (``"60%"``) of what the unchecked step allocates
             above its static bytes (parameters, buffers, inputs, kept gradients and
-            optimizer state). Anything else raises ``ValueError``/``TypeError`` naming it.
+            optimizer state); that share counts gradients and optimizer state no plan removes,
+            so a percentage no plan reaches raises ``PlanError`` naming the smallest
+            reachable one. A bare number string (``"50"``) is refused, naming both readings
+            (``"50%"`` or ``"50B"``). Anything else raises ``ValueError``/``TypeError``
+            naming it.
         solver: ``"auto"`` (default), ``"dp"`` or ``"milp"``, all exact. With spans
             (the default) the chain dynamic program of :func:`solve_chain` plans
             (``"auto"`` and ``"dp"``); ``"milp"`` (HiGHS via scipy, the ``remat[plan]``
