@@ -149,7 +149,8 @@ def share_note(prof: ProfileData, budget: object, low: int) -> str:
     fixed = low - static
     return (
         f" budget={budget!r} is a share of the {fmt_bytes(unchecked - static)} the unchecked "
-        f"step allocates above its static {fmt_bytes(static)}; {fmt_bytes(fixed)} of that "
+        f"step allocates above its static bytes{' and largest scratch' if scratch else ''} "
+        f"({fmt_bytes(static)}); {fmt_bytes(fixed)} of that "
         f"({100 * fixed / max(unchecked - static, 1):.1f}%: gradients, optimizer state and "
         f"the activations no plan of these blocks drops) stays under every plan, so the "
         f"smallest reachable share is budget='{smallest_share(static, unchecked, low)}'."
