@@ -15,6 +15,7 @@ from ._bytes import storage_bytes
 from ._config import disable_checkpointing
 from ._diagnose import Diagnostic, diagnose_step
 from ._modelinfo import (
+    check_not_meta,
     counted_device,
     default_blocks,
     default_loss,
@@ -256,6 +257,10 @@ def verify(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"remat.verify: model must be an nn.Module, got {type(model).__name__}.")
+    check_not_meta(
+        model, (args, kwargs), "remat.verify",
+        "; a plan made on the meta device applies to the materialized model",
+    )  # fmt: skip
     rng = rng_state()
     args, kwargs = _as_leaves(args, kwargs)
     inputs = _input_leaves(args, kwargs)

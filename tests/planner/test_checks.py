@@ -194,3 +194,13 @@ def test_token_ids_on_the_host_beside_a_meta_model_are_planned_as_before():
     ids = torch.randint(0, 32, (4, 8))  # indices: torch's meta kernels read them from the host
     plan = remat.auto_checkpoint(model, ids, budget="100%", timer="flops", quiet=True)
     assert plan.predicted_peak_bytes <= plan.budget_bytes
+
+
+@pytest.mark.parametrize("inputs_on", ["meta", "cpu"])
+@pytest.mark.parametrize("run", [remat.verify, remat.explain], ids=["verify", "explain"])
+def test_verify_and_explain_of_a_meta_model_get_remats_error_naming_what_to_do(run, inputs_on):
+    model = _meta_mlp()
+    x = torch.empty(4, 16, device="meta") if inputs_on == "meta" else torch.randn(4, 16)
+    with pytest.raises(ValueError, match="on the meta device") as e:
+        run(model, x)
+    assert "model.to_empty(device=...)" in str(e.value)
