@@ -204,3 +204,18 @@ def test_verify_and_explain_of_a_meta_model_get_remats_error_naming_what_to_do(r
     with pytest.raises(ValueError, match="on the meta device") as e:
         run(model, x)
     assert "model.to_empty(device=...)" in str(e.value)
+
+
+def test_shapes_refusing_a_percentage_names_the_smallest_reachable_share():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        *[
+            torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+            for _ in range(4)
+        ]
+    )
+    batch = torch.randn(4, 32, 16)  # (batch, seq, features)
+    with pytest.raises(remat.PlanError, match="the smallest reachable share is budget='"):
+        remat.auto_checkpoint(
+            model, batch, budget="1%", timer="flops", quiet=True, shapes=remat.Shapes(dims=1)
+        )

@@ -604,6 +604,14 @@ def _auto_shapes(
                     "planning every size again for %d B.", over, target, plans.goal - over,
                 )  # fmt: skip
             plans.replan(plans.goal - over)
+    except PlanError as e:
+        plans.remove()
+        top = plans.fit.profiles[plans.largest]
+        low = top.smallest_budget_bytes
+        if low <= target:
+            raise
+        # a share no plan reaches at the largest size: what is fixed, what is reachable
+        raise PlanError(f"{e}{share_note(top, budget, low)}") from None
     except BaseException:
         plans.remove()
         raise
