@@ -11,9 +11,12 @@ A tiny random Llama (nothing downloaded) is trained for a few steps by
    step fits the budget, and applies the plan; every optimizer step's peak is then
    measured and printed beside the prediction and the budget (also in the Trainer's
    logs: ``remat/peak_bytes``, ``remat/predicted_bytes``, ``remat/budget_bytes``);
-2. without remat.
+2. without remat;
+3. with ``TrainingArguments(activation_checkpointing=True)`` (transformers' own switch;
+   ``gradient_checkpointing=True`` is its deprecated alias) and the callback: the callback
+   turns transformers' checkpointing off, says so once, and plans the same layers.
 
-The losses of the two runs are equal bit for bit: checkpointing changes memory, not
+The losses of the three runs are equal bit for bit: checkpointing changes memory, not
 results.
 """
 
@@ -53,8 +56,9 @@ def make_data() -> list[dict[str, torch.Tensor]]:
     return rows
 
 
-def train(callbacks: list) -> list[float]:
-    """Four optimizer steps of two micro-batches each; the loss of every step."""
+def train(callbacks: list, switch: bool = False) -> list[float]:
+    """Four optimizer steps of two micro-batches each; the loss of every step (``switch``:
+    with transformers' own activation checkpointing turned on)."""
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
             output_dir=out,
@@ -67,6 +71,7 @@ def train(callbacks: list) -> list[float]:
             use_cpu=True,
             seed=0,
             disable_tqdm=True,
+            activation_checkpointing=switch,
         )
         trainer = Trainer(
             model=make_model(), args=args, train_dataset=make_data(), callbacks=callbacks
@@ -85,10 +90,14 @@ def main() -> None:
     for check in callback.checks:
         print(f"  {check}")
     plain = train([])
+    switched = RematCallback(BUDGET, timer="flops")
+    taken_over = train([switched], switch=True)  # remat takes transformers' switch over
     print(f"losses with remat:    {losses}")
     print(f"losses without remat: {plain}")
-    fits = all(not c.over_budget for c in callback.checks)
+    print(f"losses with activation_checkpointing=True and remat: {taken_over}")
+    fits = all(not c.over_budget for c in callback.checks + switched.checks)
     print(f"budget held on every step: {fits}; losses equal without remat: {losses == plain}")
+    print(f"with activation_checkpointing=True: losses equal without remat: {taken_over == plain}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ Run: python examples/plan_and_verify.py   (CPU, a few seconds)
 
 1. ``remat.auto_checkpoint`` profiles the model, picks keep / recompute / selective per
    block so that the step fits the budget, and applies the plan in place.
-2. ``remat.memory.track`` measures the peak of a step before and after.
+2. ``remat.measure_peak`` measures the step peak before and after, in the units of the
+   budget and of the plan's prediction (parameters, inputs, gradients and activations).
 3. ``remat.verify`` runs one step with the plan and one without, from the same RNG
    state, and reports any gradient, loss or buffer that is not bitwise equal.
 """
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 import remat
+from remat.planner.render import fmt_bytes
 
 
 class Block(nn.Module):
@@ -30,23 +32,24 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.norm(x)))
 
 
-def peak_of_step(model: nn.Module, x: torch.Tensor) -> int:
-    with remat.memory.track() as t:
-        model(x).square().mean().backward()
-    model.zero_grad(set_to_none=True)
-    return t.peak_bytes
+def loss_fn(y: torch.Tensor) -> torch.Tensor:
+    return y.square().mean()
 
 
 def main() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*[Block(128) for _ in range(6)])  # the blocks: its children
     x = torch.randn(256, 128)
-    before = peak_of_step(model, x)
-    plan = remat.auto_checkpoint(model, x, budget="70%", loss_fn=lambda y: y.square().mean())
+    # the step peak a budget counts: parameters, inputs, gradients and activations together
+    before = remat.measure_peak(model, x, loss_fn=loss_fn)
+    plan = remat.auto_checkpoint(model, x, budget="70%", loss_fn=loss_fn)
     print(plan)
-    after = peak_of_step(model, x)
-    print(f"peak of a step: {before / 2**20:.1f} MiB before, {after / 2**20:.1f} MiB with the plan")
-    report = remat.verify(model, x, loss_fn=lambda y: y.square().mean())
+    after = remat.measure_peak(model, x, loss_fn=loss_fn)
+    print(
+        f"step peak: {fmt_bytes(before)} before, {fmt_bytes(after)} with the plan "
+        f"(predicted {fmt_bytes(plan.predicted_peak_bytes)}, budget {fmt_bytes(plan.budget_bytes)})"
+    )
+    report = remat.verify(model, x, loss_fn=loss_fn)
     print(report)
     if not report.ok:
         raise SystemExit("gradients differ")

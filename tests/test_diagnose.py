@@ -147,7 +147,7 @@ def test_hugging_face_checkpointing_under_remats_wrapper_says_how_to_turn_it_off
         ("nested checkpoints", "model.layers.0"),
         ("nested checkpoints", "model.layers.1"),
     ]
-    assert "model.gradient_checkpointing_disable()" in str(report.diagnostics[0])
+    assert "model.activation_checkpointing_disable()" in str(report.diagnostics[0])
 
 
 @pytest.mark.parametrize("which", ["remat", "hugging face"])

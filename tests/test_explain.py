@@ -333,3 +333,10 @@ def test_the_observer_is_installed_only_inside_the_probe():
     x = torch.randn(3, requires_grad=True)
     remat.checkpoint(fn, x, context_fn=policy).sum().backward()
     assert seen == [None, None]
+
+
+def test_the_explained_peak_says_it_is_above_the_steps_start():
+    model, args = em.gpt_wrapped()
+    text = str(remat.explain(model, *args))
+    after = text.split("Peak of the step:", 1)[1].splitlines()[1]
+    assert "above its start" in after and "remat.measure_peak" in after

@@ -44,3 +44,8 @@ def test_example_holds_the_budget_on_every_step_and_matches_the_plain_losses(
     without = re.search(r"losses without remat:\s+(\[.*\])", out).group(1)
     assert with_remat == without
     assert "budget held on every step: True; losses equal without remat: True" in out
+    if script == "hf_trainer.py":  # transformers' own switch on: remat takes it over
+        switched = re.search(r"activation_checkpointing=True and remat:\s+(\[.*\])", out).group(1)
+        assert switched == without
+        assert "with activation_checkpointing=True: losses equal without remat: True" in out
+        assert done.stderr.count("remat turned it off") == 1

@@ -178,13 +178,26 @@ def test_checkpoint_layers_twice_replaces_the_first_switch():
     ]
 
 
-def test_transformers_own_checkpointing_on_is_refused():
+def test_transformers_own_checkpointing_on_is_turned_off_and_said(caplog):
     model = llama()
     model.activation_checkpointing_enable()
-    with pytest.raises(ValueError, match="activation_checkpointing_disable"):
-        hf.checkpoint_layers(model)
-    model.activation_checkpointing_disable()
-    assert hf.checkpoint_layers(model)
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        names = hf.checkpoint_layers(model)
+    assert names == hf.layer_names(model)
+    assert not model.is_activation_checkpointing  # never checkpointed twice
+    (said,) = [r.getMessage() for r in caplog.records if "turned it off" in r.getMessage()]
+    assert "remat.integrations.hf.checkpoint_layers" in said
+    assert "activation_checkpointing=True" in said and "activation_checkpointing_disable()" in said
+
+
+def test_hf_auto_checkpoint_checks_its_options_before_touching_the_switch():
+    model = llama()
+    model.activation_checkpointing_enable()
+    with pytest.raises(ValueError, match="bare number"):
+        hf.auto_checkpoint(model, input_ids=torch.zeros(2, 4, dtype=torch.long), budget="50")
+    with pytest.raises(ValueError, match="timer must be one of"):
+        hf.auto_checkpoint(model, budget="50%", timer="x")
+    assert model.is_activation_checkpointing  # untouched
 
 
 def test_model_without_transformers_layers_asks_for_check_fn():

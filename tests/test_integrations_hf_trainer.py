@@ -145,12 +145,50 @@ def test_plan_is_made_once_with_the_trainers_optimizer(tmp_path, capsys):
     assert cb.plan is first
 
 
-def test_transformers_own_checkpointing_is_refused_and_nothing_is_left_open(tmp_path):
-    cb = hf.RematCallback("60%", timer="flops")
-    with pytest.raises(ValueError, match="activation_checkpointing_disable"):
-        train(tmp_path, [cb], activation_checkpointing=True)
+@pytest.mark.parametrize(
+    "switch",
+    [
+        {"activation_checkpointing": True},  # transformers 5's name
+        {"gradient_checkpointing": True},  # its deprecated alias (a FutureWarning)
+    ],
+)
+def test_transformers_own_checkpointing_is_taken_over_and_trains_as_without(
+    tmp_path, caplog, switch
+):
+    plain_rec = GradRecorder()
+    plain, plain_model = train(tmp_path, [plain_rec])
+    rec = GradRecorder()
+    cb = hf.RematCallback("50%", timer="flops", measure=False)
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        if "gradient_checkpointing" in switch:
+            with pytest.warns(FutureWarning, match="activation_checkpointing"):
+                trainer, model = train(tmp_path, [rec, cb], **switch)
+        else:
+            trainer, model = train(tmp_path, [rec, cb], **switch)
+    assert trainer.args.activation_checkpointing  # it was on ...
+    assert not model.is_activation_checkpointing  # ... and remat turned it off
+    said = [r.getMessage() for r in caplog.records if "turned it off" in r.getMessage()]
+    assert len(said) == 1  # once
+    assert "activation_checkpointing_disable()" in said[0]
+    assert "plans the 4 layers" in said[0]
+    assert any(d != "keep" for d in cb.plan.decisions.values())  # remat planned the layers
+    assert losses(trainer) == losses(plain)
+    for got, want in zip(rec.grads, plain_rec.grads, strict=True):
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    want_params = dict(plain_model.named_parameters())
+    assert all(torch.equal(p, want_params[n]) for n, p in model.named_parameters())
     assert _get_current_dispatch_mode_stack() == []
-    assert cb.plan is None
+
+
+def test_callback_refuses_a_bad_option_when_made_not_on_the_first_batch():
+    with pytest.raises(ValueError, match="budget='50' is a bare number"):
+        hf.RematCallback("50")
+    with pytest.raises(ValueError, match="timer must be one of"):
+        hf.RematCallback("50%", timer="flop")
+    with pytest.raises(TypeError, match="loss_fn must be callable"):
+        hf.RematCallback("50%", loss_fn="ce")
+    with pytest.raises(TypeError, match="measure must be True or False"):
+        hf.RematCallback("50%", measure="no")
 
 
 @pytest.mark.parametrize("budget", [None, [1], True])

@@ -159,3 +159,12 @@ def test_manual_optimization_is_refused_with_advice():
     with pytest.raises(ValueError, match="manual optimization"):
         fit([cb], manual=True)
     assert _get_current_dispatch_mode_stack() == []
+
+
+def test_callback_refuses_a_bad_option_when_made_not_on_the_first_batch():
+    with pytest.raises(ValueError, match="budget='50' is a bare number"):
+        RematCallback("50")
+    with pytest.raises(ValueError, match="timer must be one of"):
+        RematCallback("50%", timer="flop")
+    with pytest.raises(TypeError, match="check_fn must be callable"):
+        RematCallback("50%", check_fn="layers")

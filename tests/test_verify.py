@@ -186,3 +186,17 @@ def test_verify_reports_batchnorm_statistics_updated_again_by_the_recompute():
 def test_verify_without_checkpointing_reports_nothing():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
     assert remat.verify(model, torch.randn(3, 4)).ok
+
+
+def test_verify_prints_the_step_peak_a_budget_counts_and_says_what_it_counts():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
+    remat.apply_activation_checkpointing(model)
+    x = torch.randn(8, 16)
+    report = remat.verify(model, x)
+    # the checkpointed step's peak is measure_peak's (no optimizer): one convention
+    assert report.step_peak_checkpointed == remat.measure_peak(model, x)
+    assert report.step_peak_checkpointed == report.static_bytes + report.peak_bytes_checkpointed
+    text = str(report)
+    assert "step peak   checkpointed" in text
+    assert "parameters, buffers and inputs" in text and "remat.measure_peak" in text

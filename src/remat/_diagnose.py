@@ -127,9 +127,12 @@ def _hf_advice(module: str, hf: list[str]) -> str:
         return ""
     if any(related(module, h) for h in hf) or any(h == "" for h in hf):
         return (
-            " Hugging Face's own gradient checkpointing is on"
-            f" ({hf[0] or 'the model'}): turn it off with model.gradient_checkpointing_disable()"
-            " where remat checkpoints the layers."
+            " Hugging Face's own activation checkpointing is on"
+            f" ({hf[0] or 'the model'}): turn it off with"
+            " model.activation_checkpointing_disable() (gradient_checkpointing_disable() in"
+            " older transformers; in a Trainer: TrainingArguments(activation_checkpointing="
+            "False), or let remat.integrations.hf.RematCallback take it over) where remat"
+            " checkpoints the layers."
         )
     return ""
 

@@ -32,6 +32,7 @@ from ._diagnose import Diagnostic, diagnose_step, fmt_bytes
 from ._modelinfo import (
     BufferSnapshot,
     check_grad_enabled,
+    check_not_meta,
     default_blocks,
     graph_leaves,
     loss_of,
@@ -214,6 +215,10 @@ class Explanation:
             lines += ["", title]
             lines += _tensor_rows(shown)
         lines += ["", f"Peak of the step: {self.peak.describe()}"]
+        lines.append(
+            "  (what the step allocates above its start; a budget's step peak also counts the "
+            "parameters, buffers and inputs it starts with: remat.measure_peak)"
+        )
         if self.regions:
             lines += ["", "  checkpoints"]
             w = max(len(r.label) for r in self.regions)
@@ -375,6 +380,13 @@ def _name(model_or_fn: Any) -> str:
     return getattr(model_or_fn, "__name__", None) or type(model_or_fn).__name__
 
 
+#: what plans a model on the meta device, said when explain is given one
+_META_INSTEAD = (
+    "; to plan a model on the meta device from its shapes, call remat.profile or "
+    "remat.auto_checkpoint with meta inputs (the plan's table says where its peak falls)"
+)
+
+
 def _run(
     model_or_fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -390,6 +402,7 @@ def _run(
         )
     check_grad_enabled(where)
     model = model_or_fn if isinstance(model_or_fn, nn.Module) else None
+    check_not_meta(model, (args, kwargs), where, _META_INSTEAD)
     name = _name(model_or_fn)
     blocks = default_blocks(model) if model is not None else []
     step = _Step(model_or_fn, args, kwargs, loss_fn, model)

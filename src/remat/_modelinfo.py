@@ -236,3 +236,24 @@ def graph_leaves(root: torch.Tensor) -> list[torch.Tensor]:
             leaves.append(var)
         todo.extend(fn for fn, _ in node.next_functions)
     return leaves
+
+
+def check_not_meta(model: nn.Module | None, args: Any, where: str, instead: str) -> None:
+    """Raise ``ValueError`` when the model's parameters or buffers, or its tensor inputs, are
+    on the meta device: a step there has no values and holds no bytes (torch would fail
+    inside it, or every figure would read 0). ``instead``: what plans such a model.
+
+    Example:
+        >>> import torch
+        >>> check_not_meta(torch.nn.Linear(2, 2), (torch.randn(1, 2),), "remat.verify", "")
+    """
+    found: list[torch.Tensor] = []
+    tensors_in(args, found)
+    own = [*model.parameters(), *model.buffers()] if model is not None else []
+    if not any(t.is_meta for t in [*own, *found]):
+        return
+    raise ValueError(
+        f"{where}: the model or its inputs are on the meta device, where a step has no values "
+        "and holds no bytes. Materialize the model first (model.to_empty(device=...), then "
+        f"initialize its weights or load a checkpoint) with real inputs{instead}."
+    )

@@ -11,11 +11,22 @@ from typing import Any
 import torch
 
 from . import memory
+from ._bytes import storage_bytes
 from ._config import disable_checkpointing
 from ._diagnose import Diagnostic, diagnose_step
-from ._modelinfo import default_blocks, default_loss, graph_leaves, rng_state, set_rng_state
+from ._modelinfo import (
+    check_not_meta,
+    counted_device,
+    default_blocks,
+    default_loss,
+    device_of,
+    graph_leaves,
+    rng_state,
+    set_rng_state,
+)
 from ._probe import StepProbe
 from ._tree import replace_tensors, tensors_in
+from .planner.render import fmt_bytes  # the plan table's units: the figures read alike
 
 
 @dataclasses.dataclass
@@ -42,8 +53,11 @@ class Report:
         differences: everything that is not bitwise equal.
         compared: how many gradients, buffers and losses were compared.
         loss_checkpointed / loss_plain: the two losses.
-        peak_bytes_checkpointed / peak_bytes_plain: peak tensor bytes of each step
-            (see :mod:`remat.memory`).
+        peak_bytes_checkpointed / peak_bytes_plain: what each step allocates at its
+            peak above its start (forward, loss and backward: :mod:`remat.memory`).
+        static_bytes: the parameters, buffers and inputs the steps start with (on the
+            model's device); ``step_peak_checkpointed`` / ``step_peak_plain`` add them: the
+            step peak as a budget counts it (:func:`remat.measure_peak` without an optimizer).
         diagnostics: boundary warnings about the model's checkpoints (a checkpoint that
             frees almost nothing, checkpointing that raises the peak, checkpoints nested
             twice, a loss head that dominates the peak), as :func:`remat.explain` gives.
@@ -57,6 +71,17 @@ class Report:
     peak_bytes_checkpointed: int
     peak_bytes_plain: int
     diagnostics: list[Diagnostic] = dataclasses.field(default_factory=list)
+    static_bytes: int = 0
+
+    @property
+    def step_peak_checkpointed(self) -> int:
+        """The checkpointed step's peak in a budget's units: static bytes included."""
+        return self.static_bytes + self.peak_bytes_checkpointed
+
+    @property
+    def step_peak_plain(self) -> int:
+        """The plain step's peak in a budget's units: static bytes included."""
+        return self.static_bytes + self.peak_bytes_plain
 
     @property
     def ok(self) -> bool:
@@ -68,8 +93,10 @@ class Report:
             f"remat.verify: {'OK' if self.ok else 'DIFFERENCES FOUND'} "
             f"({self.compared} tensors compared)\n"
             f"  loss        checkpointed {self.loss_checkpointed:.6g}   plain {self.loss_plain:.6g}\n"
-            f"  peak memory checkpointed {self.peak_bytes_checkpointed:,} B   "
-            f"plain {self.peak_bytes_plain:,} B"
+            f"  step peak   checkpointed {fmt_bytes(self.step_peak_checkpointed)}   "
+            f"plain {fmt_bytes(self.step_peak_plain)}   (parameters, buffers and inputs "
+            f"{fmt_bytes(self.static_bytes)} + what forward, loss and backward allocate: "
+            "remat.measure_peak's step without an optimizer)"
         )
         warnings = "".join(f"\n{d}" for d in self.diagnostics)
         if self.ok:
@@ -196,7 +223,8 @@ def verify(
     requires grad (named ``input[i]``, numbered over the tensors in ``args``
     then ``kwargs``), and every buffer after the step (BatchNorm statistics,
     counters). Peak memory is measured
-    with :func:`remat.memory.track` around forward, loss and backward. The
+    with :func:`remat.memory.track` around forward, loss and backward, and printed as the
+    step peak a budget counts (parameters, buffers and inputs added). The
     checkpointed step is also watched for boundary problems (``diagnostics``,
     printed with the report; see :func:`remat.explain`).
 
@@ -229,6 +257,10 @@ def verify(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"remat.verify: model must be an nn.Module, got {type(model).__name__}.")
+    check_not_meta(
+        model, (args, kwargs), "remat.verify",
+        "; a plan made on the meta device applies to the materialized model",
+    )  # fmt: skip
     rng = rng_state()
     args, kwargs = _as_leaves(args, kwargs)
     inputs = _input_leaves(args, kwargs)
@@ -274,4 +306,8 @@ def verify(
         diagnostics = diagnose_step(probe, model, peak_bytes=p1, plain_peak=p2)
     finally:
         probe.close()
-    return Report(diffs, len(g1) + len(b1) + 1, l1, l2, p1, p2, diagnostics)
+    found: list[torch.Tensor] = []
+    tensors_in((args, kwargs), found)
+    device = counted_device(device_of(model, (args, kwargs)))
+    static = storage_bytes([*model.parameters(), *model.buffers(), *found], device)
+    return Report(diffs, len(g1) + len(b1) + 1, l1, l2, p1, p2, diagnostics, static)

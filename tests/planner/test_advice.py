@@ -138,7 +138,7 @@ def test_hugging_faces_own_checkpointing_under_a_plan_is_reported_with_the_switc
     plan = remat.Plan(dict.fromkeys(layers, "recompute"), 0, 0.0, 0, 0)
     found = nested(model, plan)
     assert [d.module for d in found] == layers
-    assert all("gradient_checkpointing_disable()" in d.message for d in found)
+    assert all("model.activation_checkpointing_disable()" in d.message for d in found)
     model.activation_checkpointing_disable()
     assert nested(model, plan) == []
 

@@ -16,6 +16,7 @@ from torch.utils.hooks import RemovableHandle
 from .. import apply_activation_checkpointing, unwrap
 from .. import auto_checkpoint as plan_and_apply
 from .._modelinfo import check_module
+from ..planner.checks import check_options
 from ._extras import require
 
 require("transformers", "hf", "remat.integrations.hf")
@@ -25,6 +26,11 @@ log = logging.getLogger("remat")
 
 #: where the switch keeps its hooks on the model (an attribute: no module-level state)
 _STATE = "_remat_hf_switch"
+#: the options of remat.auto_checkpoint that hf.auto_checkpoint passes on (checked first)
+_OPTIONS = (
+    "optimizer", "set_to_none", "loss_fn", "timer", "distributed", "quiet", "diagnose",
+    "shapes", "device",
+)  # fmt: skip
 #: layer arguments transformers' checkpointed layer clears (besides ``use_cache``)
 _CACHE_ARGS = ("cache", "layer_past")
 
@@ -137,19 +143,50 @@ class _Switch:
         self.handles.clear()
 
 
-def _check_transformers_switch_off(model: nn.Module) -> None:
-    on = [
+def transformers_switch_on(model: nn.Module) -> list[str]:
+    """The modules whose transformers checkpointing is on (the ``gradient_checkpointing``
+    flag that ``model.activation_checkpointing_enable()`` and
+    ``TrainingArguments(activation_checkpointing=True)`` set), by name."""
+    return [
         n or type(model).__name__
         for n, m in model.named_modules()
         if getattr(m, "gradient_checkpointing", False) is True
     ]
-    if on:
-        raise ValueError(
-            f"remat.integrations.hf: transformers' own checkpointing is on ({', '.join(on[:3])}"
-            f"{', ...' if len(on) > 3 else ''}); the layers would be checkpointed twice. Call "
-            "model.activation_checkpointing_disable() (gradient_checkpointing_disable() before "
-            "transformers 5) first."
-        )
+
+
+def take_over_switch(model: nn.Module, layers: list[str], where: str, say: bool = True) -> bool:
+    """Turn transformers' own checkpointing off where it is on, saying so once (logger
+    ``"remat"``; not with ``say=False``): remat plans ``layers``, the layers it would have
+    checkpointed, instead of checkpointing them twice. Returns whether it was on.
+
+    transformers' switch is turned off as transformers does it
+    (``model.activation_checkpointing_disable()``; a model outside ``PreTrainedModel``
+    without it gets its flags cleared), which leaves the input gradients it enabled
+    (``enable_input_require_grads``) as they are: values and gradients do not change."""
+    on = transformers_switch_on(model)
+    if not on:
+        return False
+    off = getattr(model, "activation_checkpointing_disable", None)
+    if callable(off):
+        off()
+    for _, m in model.named_modules():  # remote code without the method, or a partial one
+        if getattr(m, "gradient_checkpointing", False) is True:
+            m.gradient_checkpointing = False
+    if not say:
+        return True
+    log.warning(
+        "%s: transformers' own activation checkpointing was on (%s%s), set by "
+        "TrainingArguments(activation_checkpointing=True) (its deprecated alias "
+        "gradient_checkpointing=True) or model.activation_checkpointing_enable(). remat turned "
+        "it off (model.activation_checkpointing_disable()) and plans the %d layers it would "
+        "checkpoint instead (%s). Leave activation_checkpointing=False to silence this.",
+        where,
+        ", ".join(on[:3]),
+        ", ..." if len(on) > 3 else "",
+        len(layers),
+        ", ".join(layers[:2]) + (", ..." if len(layers) > 2 else ""),
+    )
+    return True
 
 
 def guard_cache(model: nn.Module, layers: list[str]) -> _Switch:
@@ -207,12 +244,14 @@ def checkpoint_layers(
     Returns:
         The names of the checkpointed layers.
 
+    transformers' own checkpointing, if on, is turned off first (said once: see
+    :func:`take_over_switch`).
+
     Raises:
-        ValueError: transformers' own checkpointing is on, no layer is found, or
-            ``every`` < 1.
+        ValueError: no layer is found, or ``every`` < 1.
     """
-    _check_transformers_switch_off(model)
     names = layer_names(model, check_fn)
+    take_over_switch(model, names, "remat.integrations.hf.checkpoint_layers")
     uncheckpoint_layers(model)
     chosen = set(names)
     wrapped = apply_activation_checkpointing(
@@ -247,11 +286,18 @@ def auto_checkpoint(
     Returns:
         The applied :class:`remat.Plan`.
 
+    transformers' own checkpointing, if on, is turned off first and its layers planned
+    (said once: see :func:`take_over_switch`).
+
     Raises:
-        PlanError: as :func:`remat.auto_checkpoint` (the model is left as it was).
+        PlanError: as :func:`remat.auto_checkpoint` (the model is left as it was, but for
+            transformers' switch, which stays off).
     """
-    _check_transformers_switch_off(model)
+    where = "remat.integrations.hf.auto_checkpoint"
+    options = {k: kwargs[k] for k in _OPTIONS if k in kwargs}
+    check_options(where, budget=budget, check_fn=check_fn, **options)  # before the switch
     names = layer_names(model, check_fn)
+    take_over_switch(model, names, where)
     uncheckpoint_layers(model)
     switch = guard_cache(model, names)
     chosen = set(names)

@@ -4,6 +4,10 @@ How the Trainer (transformers 5) runs a step, and where the callback acts:
 
 * ``on_train_begin``: the model and the optimizer exist (accelerate's
   ``AcceleratedOptimizer``; the callback plans with the torch optimizer inside it).
+  With ``TrainingArguments(activation_checkpointing=True)`` (the deprecated alias
+  ``gradient_checkpointing=True``) the Trainer has just turned transformers' own
+  checkpointing on; the callback turns it off (``model.activation_checkpointing_disable()``)
+  and plans the layers it would have checkpointed, saying so once (logger ``"remat"``).
   The callback installs the cache hooks of :func:`remat.integrations.hf.checkpoint_layers`
   and a forward pre-hook on the model.
 * ``on_step_begin`` (once per optimizer step, before its micro-batches): the meter
@@ -42,7 +46,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..planner.loop import Loop
 from ._extras import require
-from ._hf_layers import auto_checkpoint, guard_cache, layer_names
+from ._hf_layers import auto_checkpoint, guard_cache, layer_names, take_over_switch
 from ._session import PlannedTraining, torch_optimizer
 
 require("transformers", "hf", "remat.integrations.hf")
@@ -85,6 +89,12 @@ class RematCallback(TrainerCallback):  # type: ignore[misc]
     :mod:`remat.integrations._hf_trainer` for where each happens. The model keeps the
     plan after training; :func:`remat.integrations.hf.uncheckpoint_layers` undoes it.
 
+    With ``TrainingArguments(activation_checkpointing=True)`` (or its deprecated alias
+    ``gradient_checkpointing=True``, or ``model.activation_checkpointing_enable()``) the
+    callback turns transformers' own checkpointing off and plans the layers it would have
+    checkpointed, saying so once (logger ``"remat"``). Every option is checked here, when
+    the callback is made, not on the first batch.
+
     Args:
         budget: the step's peak: bytes (``2**30``, ``"18GiB"``) or a share of what the
             unchecked step allocates above its static bytes (``"60%"``), as in
@@ -123,6 +133,7 @@ class RematCallback(TrainerCallback):  # type: ignore[misc]
         self._optimizer: torch.optim.Optimizer | None = None
         self._set_to_none = True
         self._hook: RemovableHandle | None = None
+        self._told = False  # transformers' switch taken over: said once
 
     @property
     def plan(self) -> Any:
@@ -155,8 +166,13 @@ class RematCallback(TrainerCallback):  # type: ignore[misc]
         self._model = model
         self._optimizer = torch_optimizer(kwargs.get("optimizer"))
         self._set_to_none = int(args.gradient_accumulation_steps) == 1
+        layers = layer_names(model, self.session.loop.check_fn)
+        # TrainingArguments(activation_checkpointing=True) turned transformers' switch on
+        # before this call (at every train()): remat plans those layers instead
+        if take_over_switch(model, layers, self.session.where, say=not self._told):
+            self._told = True
         if self.plan is None:
-            guard_cache(model, layer_names(model, self.session.loop.check_fn))
+            guard_cache(model, layers)
         self._hook = model.register_forward_pre_hook(_OnForward(self), with_kwargs=True)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

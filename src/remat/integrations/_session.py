@@ -7,20 +7,11 @@ from typing import Any
 
 import torch
 
+from ..planner.checks import check_options
 from ..planner.loop import Loop
 from .actual import PeakCheck, PeakMeter
 
 log = logging.getLogger("remat")
-
-
-def check_budget(budget: Any, where: str) -> None:
-    """Raise a clear ``TypeError`` for a budget of the wrong type (its value is checked
-    by the planner, on the first batch)."""
-    if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
-        raise TypeError(
-            f'{where}: budget must be bytes (2**30), a size ("18GiB") or a share ("60%"), '
-            f"got {budget!r}."
-        )
 
 
 def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
@@ -54,7 +45,11 @@ class PlannedTraining:
         measure: bool,
         where: str,
     ) -> None:
-        check_budget(budget, where)
+        # every option now, before training starts (the plan is made on the first batch)
+        check_options(
+            where, budget=budget, loss_fn=loop.loss_fn, check_fn=loop.check_fn,
+            timer=loop.timer, measure=measure,
+        )  # fmt: skip
         self.budget = budget
         #: the loop's options known before training (loss, candidate blocks, timer); each
         #: callback adds the trainer's optimizer and how it clears gradients

@@ -63,7 +63,9 @@ class PeakCheck:
 
     Attributes:
         step: the step's number, as the loop counts (the Trainer's global step, ...).
-        peak_bytes: the measured peak of the step.
+        peak_bytes: the measured step peak, in a budget's units: parameters, buffers,
+            inputs, gradients, optimizer state and activations together (the number
+            :func:`remat.measure_peak` and the plan's table give).
         predicted_bytes: the plan's ``predicted_peak_bytes`` (tensor bytes; on CUDA the
             allocator may add up to the plan's ``scratch_bytes``); ``None`` without a plan.
         budget_bytes: the budget; ``None`` without one.

@@ -26,7 +26,13 @@ and so does this one, with forward pre-hooks (public PyTorch API, removed by
 An explicit ``use_cache=True`` (or a cache) dropped this way is logged once (logger
 ``"remat"``), as transformers warns once. Only public transformers names are used
 (``GradientCheckpointingLayer``, the ``gradient_checkpointing`` attribute its switch
-sets), besides that one marker.
+sets, ``activation_checkpointing_disable()``), besides that one marker.
+
+**transformers' own switch.** Where it is on (``TrainingArguments(activation_checkpointing=
+True)``, its deprecated alias ``gradient_checkpointing=True``, or
+``model.activation_checkpointing_enable()``), the functions here and the Trainer callback
+turn it off and plan or wrap the layers it would have checkpointed, saying so once (logger
+``"remat"``): a layer is never checkpointed twice.
 
 Example:
     >>> import torch

@@ -10,7 +10,7 @@ prints them (:attr:`remat.Plan.diagnostics`):
   chunk the loss. From the profile's terms (:func:`~remat.planner.stepmodel.head_bytes`).
 * :func:`nested`: a block the plan checkpoints (``recompute``, ``selective``, ``split``,
   or in a span) that is checkpointed already, by Hugging Face's own gradient
-  checkpointing (``model.gradient_checkpointing_enable()``), by a remat wrapper or by
+  checkpointing (``model.activation_checkpointing_enable()``), by a remat wrapper or by
   torch's ``checkpoint_wrapper`` inside it: its forward would run three times a step.
   (Applying a plan rewraps a block and its children with parameters, the ones ``split``
   checkpoints, so only wrappers further down remain to nest.)
@@ -125,11 +125,14 @@ def nested(model: nn.Module, plan: PlanData) -> list[Diagnostic]:
                 Diagnostic(
                     Kind.NESTED,
                     name,
-                    "the plan checkpoints it and Hugging Face's own gradient checkpointing is "
-                    f"on ({flags[0] or 'the model'}): its forward runs three times a step "
+                    "the plan checkpoints it and Hugging Face's own activation checkpointing "
+                    f"is on ({flags[0] or 'the model'}): its forward runs three times a step "
                     "(forward, each checkpoint's recompute). Turn Hugging Face's off with "
-                    "model.gradient_checkpointing_disable() before planning, or keep it and "
-                    "leave remat out of these layers.",
+                    "model.activation_checkpointing_disable() (gradient_checkpointing_disable() "
+                    "in older transformers; in a Trainer: TrainingArguments("
+                    "activation_checkpointing=False)) before planning, or plan through "
+                    "remat.integrations.hf, which takes it over, or keep it and leave remat "
+                    "out of these layers.",
                 )
             )
             continue

@@ -22,10 +22,11 @@ from .._tree import tensors_in
 from ..memory import BlockHooks
 from . import advice
 from .apply import restore_state, snapshot_state
+from .checks import check_options
 from .distributed import active, agree_max, agree_min, agree_profile, agree_same
 from .inputs import Inputs, model_inputs
 from .loop import Loop, Step
-from .meta import is_meta
+from .meta import check_not_mixed, is_meta
 from .probes import WindowMarks
 from .progress import Progress
 from .render import fmt_bytes
@@ -40,7 +41,7 @@ from .state import (
     optimizer_tensors,
     static_bytes,
 )
-from .stepmodel import budget_of, located
+from .stepmodel import budget_of, located, share_note
 from .types import Window, WindowKind
 
 log = logging.getLogger("remat")
@@ -69,7 +70,9 @@ def step_peaks(
     args, kwargs = model_inputs(args, kwargs, "remat.measure_peak")
     check_module(model, "remat.measure_peak")
     check_grad_enabled("remat.measure_peak")
-    check_step_options("remat.measure_peak", optimizer, set_to_none)
+    check_options(
+        "remat.measure_peak", optimizer=optimizer, set_to_none=set_to_none, loss_fn=loss_fn
+    )
     loop = Loop(optimizer=optimizer, set_to_none=set_to_none, loss_fn=loss_fn)
     return loop_peaks(model, Inputs(*args, **kwargs), loop, steps)[0]
 
@@ -338,8 +341,10 @@ def auto_checkpoint(
             option of this function (``timer``, ``profile``, ``budget``, ...), pass
             ``auto_checkpoint(model, remat.Inputs(x, timer=t), budget=...)``.
         budget: as in :func:`remat.plan`: the step's peak in bytes (``2**30``,
-            ``"18GiB"``) or ``"60%"`` of what the unchecked step allocates above
-            its static bytes.
+            ``"18GiB"``, ``"50B"``) or ``"60%"`` of what the unchecked step allocates above
+            its static bytes (a percentage no plan reaches: ``PlanError`` names the
+            smallest reachable one). A bare number string (``"50"``) is refused, naming
+            both readings. Its form is checked before any step, with every other option.
         optimizer: the optimizer of the training loop (its state and step are
             part of the peak); ``None`` models no optimizer step.
         set_to_none: how the loop clears gradients (see :func:`remat.profile`).
@@ -347,7 +352,8 @@ def auto_checkpoint(
             model that computes its own loss), else the sum of its floating outputs.
         check_fn: picks the candidate blocks (default: the repeated blocks).
         timer: ``"time"``, ``"measured"`` or ``"flops"`` (see :func:`remat.profile`).
-        quiet: do not log re-planning.
+        quiet: print nothing: no stage lines, no progress bar (a ``tqdm`` bar counts each
+            profile's steps), no re-planning warnings.
         profile: a :class:`~remat.Profile` of this model measured before (by
             :func:`remat.profile` with the same inputs, optimizer, ``set_to_none``
             and ``check_fn``), to plan several budgets without profiling again;
@@ -400,7 +406,18 @@ def auto_checkpoint(
     args, kwargs = model_inputs(args, kwargs, "remat.auto_checkpoint")
     check_module(model, "remat.auto_checkpoint")
     check_grad_enabled("remat.auto_checkpoint")
-    check_step_options("remat.auto_checkpoint", optimizer, set_to_none)  # before any twin
+    # every option before any step (and before any twin of the model is made)
+    check_options(
+        "remat.auto_checkpoint", budget=budget, optimizer=optimizer, set_to_none=set_to_none,
+        loss_fn=loss_fn, check_fn=check_fn, timer=timer, distributed=distributed, quiet=quiet,
+        diagnose=diagnose, shapes=shapes, device=device,
+    )  # fmt: skip
+    check_not_mixed(model, (args, kwargs), "remat.auto_checkpoint")
+    if profile is not None and not isinstance(profile, Profile):
+        raise TypeError(
+            f"remat.auto_checkpoint: profile= must be a remat.Profile (from remat.profile), "
+            f"got {type(profile).__name__}. Pass the profile of this model, or None to profile now."
+        )
     loop = Loop(optimizer, set_to_none, loss_fn, check_fn, timer, distributed)
     agree = active(distributed)
     inputs = Inputs(*args, **kwargs)
@@ -430,7 +447,11 @@ def auto_checkpoint(
     if agree:
         (target,) = agree_min([target])
     say(f"planning for {fmt_bytes(target)}")
-    chosen = plan(prof, target)
+    try:
+        chosen = plan(prof, target)
+    except PlanError as e:  # a share no plan reaches: say what is fixed, what is reachable
+        note = share_note(prof, budget, prof.smallest_budget_bytes)
+        raise PlanError(f"{e}{note}") from None
     blocks = {n: model.get_submodule(n) for n in candidates(model, check_fn)}
     if meta:  # nothing to run: the plan is the answer
         chosen.apply(model)
@@ -589,6 +610,14 @@ def _auto_shapes(
                     "planning every size again for %d B.", over, target, plans.goal - over,
                 )  # fmt: skip
             plans.replan(plans.goal - over)
+    except PlanError as e:
+        plans.remove()
+        top = plans.fit.profiles[plans.largest]
+        low = top.smallest_budget_bytes
+        if low <= target:
+            raise
+        # a share no plan reaches at the largest size: what is fixed, what is reachable
+        raise PlanError(f"{e}{share_note(top, budget, low)}") from None
     except BaseException:
         plans.remove()
         raise

@@ -27,6 +27,7 @@ from .._modelinfo import counted_device, device_of, loss_of
 from .._tree import tensors_in
 from .amp import fresh_region, outside
 from .inputs import Inputs
+from .meta import check_not_mixed
 from .state import StepState
 
 
@@ -95,6 +96,7 @@ class Step:
     ) -> None:
         self.model, self.loop, self.where = model, loop, where
         self.args, self.kwargs = inputs.args, inputs.kwargs
+        check_not_mixed(model, (self.args, self.kwargs), where)
         self.threads = threads
         self.device = device_of(model, (self.args, self.kwargs))
         self.target = target

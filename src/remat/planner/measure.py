@@ -51,11 +51,12 @@ from ..memory import BlockHooks
 from .amp import outside
 from .apply import apply_decision, restore_state, snapshot_state
 from .calibration import make_clock
+from .checks import TIMERS, check_options
 from .distributed import active, agree_profile, agree_same
 from .fake import fake_mode_of, fake_steps
 from .inputs import Inputs, model_inputs
 from .loop import Loop, Step
-from .meta import check_no_autocast, is_meta, shapes_only, target_device
+from .meta import check_no_autocast, check_not_mixed, is_meta, shapes_only, target_device
 from .probes import (
     CallCount,
     InputFrees,
@@ -64,6 +65,7 @@ from .probes import (
     kept_outputs,
     offload_inputs,
 )
+from .progress import bar
 from .scratch import window_scratch
 from .sharded import is_ddp, reshard, unsharded_storages
 from .solve import Profile
@@ -201,6 +203,11 @@ def profile(
         (['0', '1', '2'], 3264)
     """
     args, kwargs = model_inputs(args, kwargs, "remat.profile")
+    check_options(
+        "remat.profile", optimizer=optimizer, set_to_none=set_to_none, loss_fn=loss_fn,
+        check_fn=check_fn, timer=timer, distributed=distributed, device=device,
+        repeats=repeats, threads=threads, calibration=calibration,
+    )  # fmt: skip
     loop = Loop(optimizer, set_to_none, loss_fn, check_fn, timer, distributed)
     return profile_loop(
         model, Inputs(*args, **kwargs), loop, decisions=decisions, repeats=repeats,
@@ -232,6 +239,7 @@ def profile_loop(
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"remat.profile: repeats must be an int >= 1, got {repeats!r}.")
     check_step_options("remat.profile", loop.optimizer, loop.set_to_none)
+    check_not_mixed(model, (args, kwargs), "remat.profile")
     fake = fake_mode_of(model, (args, kwargs))
     shaped = fake is not None or is_meta(model, (args, kwargs))
     if fake is not None:  # a fake twin: the device its tensors report
@@ -328,10 +336,6 @@ def plan_scratch(
         step.state.restore()
 
 
-#: The cost measures ``remat.profile`` knows (see its ``timer`` argument).
-TIMERS = ("time", "measured", "flops")
-
-
 def _decisions(
     model: nn.Module,
     args: tuple[Any, ...],
@@ -381,13 +385,30 @@ def _measure(
     repeats: int,
     calibration: str | None = None,
 ) -> Measurements:
-    """Steps 1-5 of the module docstring: their raw record."""
+    """Steps 1-5 of the module docstring: their raw record, counted on a progress bar
+    (:func:`~remat.planner.progress.bar`: the warm-up, the probes, the scratch step, one
+    step per decision, the costs)."""
+    total = 3 + len(decisions) + (1 if step.target is None else 0)
+    with bar(total, "profiling") as ticks:
+        return _measure_steps(step, blocks, decisions, repeats, calibration, ticks.update)
+
+
+def _measure_steps(
+    step: Step,
+    blocks: dict[str, nn.Module],
+    decisions: list[Decision],
+    repeats: int,
+    calibration: str | None,
+    tick: Callable[[], object],
+) -> Measurements:
+    """:func:`_measure`'s steps; ``tick()`` after each."""
     model, names, modules = step.model, list(blocks), list(blocks.values())
     timer, optimizer = step.loop.timer, step.loop.optimizer
     n = len(names)
     calls = CallCount(names)
     with BlockHooks(modules, calls):
         step()  # warm-up; with set_to_none=False its gradients stay for every later step
+    tick()
     calls.check()
     names = calls.in_call_order()  # the chain the step model plans: the order forward runs
     blocks = {nm: blocks[nm] for nm in names}
@@ -400,6 +421,7 @@ def _measure(
         offload = offload_inputs(model, modules, step.args, step.kwargs, step.state, before)
     if is_ddp(model):  # DDP rebuilds its buckets in the second step: not in a measured one
         step()
+    tick()
     # The scratch of each window with the blocks kept, whatever the model's own wrapping (put
     # back by the caller). After the offload probes the blocks stay as their last forward
     # left them (some checkpointed: their forward's scratch is then also counted in their
@@ -415,6 +437,7 @@ def _measure(
         step.clear_grads()
         with BlockHooks(modules, WindowMarks(n)):
             scratch = window_scratch(step, step.device)
+        tick()
     storages = unsharded_storages(model)
     grads = grad_bytes(step.state.grad_params, step.counted)
     splittable = {nm for nm, mod in blocks.items() if can_split(mod)}
@@ -456,6 +479,7 @@ def _measure(
             )
             if d is KEEP:
                 keep_cost = float(sorted(step.costs)[len(step.costs) // 2])
+        tick()
     if timer == "time":
         moved = _offloaded(names, lines) if OFFLOAD in lines else None
         priced = step.target if step.target is not None else step.device
@@ -471,6 +495,7 @@ def _measure(
         flops = flop_costs(model, blocks, step.args, step.kwargs, step.loop.loss_fn, measured)
         times = {Decision(d): v for d, v in flops.items()}
         noise = {d: dict.fromkeys(names, 0.0) for d in decisions}
+    tick()
     return Measurements(
         names=names,
         decisions=list(decisions),

@@ -69,6 +69,55 @@ log = logging.getLogger("remat")
 _MATH, _FLASH, _EFFICIENT = 0, 1, 2
 
 
+def check_not_mixed(model: nn.Module, args: Any, where: str) -> None:
+    """Raise ``ValueError`` when some of the model's parameters, buffers and tensor inputs
+    are on the meta device and others are not (torch would fail inside the first step with
+    "Tensor on device meta is not on the expected device" or "Cannot copy out of meta
+    tensor"): naming which are where and the two ways out. A 0-dimensional input (a
+    scalar) may be anywhere, and so may integer and boolean inputs beside a model on meta
+    (token ids, masks: torch's meta kernels take them from the host, as ``nn.Embedding``
+    does).
+
+    Example:
+        >>> import torch
+        >>> with torch.device("meta"):
+        ...     model = torch.nn.Linear(4, 4)
+        >>> check_not_mixed(model, (torch.empty(2, 4, device="meta"),), "remat.profile")
+        >>> check_not_mixed(model, (torch.randn(2, 4),), "remat.profile")
+        Traceback (most recent call last):
+        ...
+        ValueError: remat.profile: the model's parameters or buffers are on the meta device and its inputs on cpu; remat plans a model on the meta device from shapes, with inputs on meta too (torch.empty(shape, dtype=..., device="meta")), and measures real steps of a model whose weights exist: make the inputs meta tensors, or materialize the model first (model.to_empty(device=...), then initialize its weights or load a checkpoint).
+    """
+    found: list[torch.Tensor] = []
+    tensors_in(args, found)
+    own = [*model.parameters(), *model.buffers()]
+    inputs = [t for t in found if t.dim() > 0]
+    model_meta = {t.is_meta for t in own}
+    if model_meta == {True}:  # indices and masks may stay on the host
+        inputs = [t for t in inputs if t.is_floating_point() or t.is_complex()]
+    input_meta = {t.is_meta for t in inputs}
+    if len(model_meta | input_meta) < 2:
+        return
+    if len(model_meta) == 2:
+        what = "some of the model's parameters or buffers are on the meta device, others not"
+    elif model_meta == {True}:
+        where_in = sorted({str(t.device) for t in inputs if not t.is_meta})
+        what = (
+            "the model's parameters or buffers are on the meta device and its inputs on "
+            + ", ".join(where_in)
+        )
+    else:
+        where_m = sorted({str(t.device) for t in own if not t.is_meta})
+        what = f"the inputs are on the meta device and the model on {', '.join(where_m)}"
+    raise ValueError(
+        f"{where}: {what}; remat plans a model on the meta device from shapes, with inputs "
+        'on meta too (torch.empty(shape, dtype=..., device="meta")), and measures real steps '
+        "of a model whose weights exist: make the inputs meta tensors, or materialize the "
+        "model first (model.to_empty(device=...), then initialize its weights or load a "
+        "checkpoint)."
+    )
+
+
 def is_meta(model: nn.Module, args: Any) -> bool:
     """Whether the model's tensors (its first parameter, else its first input) are on meta."""
     found: list[torch.Tensor] = []

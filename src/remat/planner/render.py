@@ -10,6 +10,13 @@ from collections.abc import Sequence
 
 from .types import Phase, PlanData, StepPeak
 
+#: What a step peak counts, said under every figure of one (the plan's table): the one
+#: convention of a budget, :func:`remat.measure_peak`, ``PeakMeter`` and ``remat.verify``.
+STEP_PEAK = (
+    "step peak: parameters, buffers, inputs, gradients, optimizer state and activations "
+    "together, as the budget, remat.measure_peak and PeakMeter count them"
+)
+
 #: Below this share of the unchecked step's activations in the blocks, the table warns.
 LOW_SHARE = 0.5
 
@@ -88,6 +95,7 @@ def plan_table(plan: PlanData) -> str:
         f"predicted step peak {fmt_bytes(plan.predicted_peak_bytes)}{scratch} vs unchecked "
         f"{fmt_bytes(plan.unchecked_peak_bytes)} (budget {fmt_bytes(plan.budget_bytes)})"
     )
+    lines.append(STEP_PEAK)
     if plan.scratch_unknown:
         lines.append(
             "planned from shapes: the scratch inside operators (cuBLAS, oneDNN) is not counted; "

@@ -115,7 +115,12 @@ class ProfileSource:
 
     def __call__(self, inputs: Inputs, at: str = "", timer: str | None = None) -> Profile:
         """The profile at ``inputs`` (on the model's device, or on meta for a meta model);
-        ``at`` says which (``" at size 512"``) when there are several."""
+        ``at`` says which (``" at size 512"``) when there are several. Its steps are counted
+        on a bar of ``say`` (:func:`~remat.planner.progress.bar`)."""
+        with self.say.active():
+            return self._profile(inputs, at, timer)
+
+    def _profile(self, inputs: Inputs, at: str, timer: str | None) -> Profile:
         loop = dataclasses.replace(self.loop, timer=timer or self.loop.timer)
         args, kwargs = inputs.args, inputs.kwargs
         if self.meta or is_meta(self.model, (args, kwargs)):

@@ -47,7 +47,7 @@ from .apply import restore_state, snapshot_state
 from .distributed import active, agree_max, agree_min
 from .inputs import Inputs
 from .loop import Loop
-from .progress import Progress
+from .progress import Progress, bar
 from .render import fmt_bytes
 from .shaped import ProfileSource
 from .shapefit import ShapeFit
@@ -115,7 +115,13 @@ class Shapes:
                 f"{self.dims!r}. Pass the dimension of the inputs that varies, e.g. dims=1."
             )
         object.__setattr__(self, "dims", dims)
-        sizes = tuple(self.sizes)
+        try:
+            sizes = tuple(self.sizes)
+        except TypeError:
+            raise ValueError(
+                f"remat.Shapes: sizes must be a tuple of ints >= 1, got {self.sizes!r}. Pass "
+                f"the sizes to profile besides the largest, e.g. sizes=({self.sizes!r},)."
+            ) from None
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
             raise ValueError(
                 f"remat.Shapes: sizes must be ints >= 1, got {self.sizes!r}. Pass the sizes "
@@ -124,12 +130,22 @@ class Shapes:
         object.__setattr__(self, "sizes", sizes)
         m = self.multiple
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            raise ValueError(f"remat.Shapes: multiple must be an int >= 1, got {m!r}.")
+            raise ValueError(
+                f"remat.Shapes: multiple must be an int >= 1, got {m!r}. Pass the stride sizes "
+                "are rounded up to (the model's stride for images), or 1."
+            )
         c = self.checks
         if isinstance(c, bool) or not isinstance(c, int) or c < 0:
-            raise ValueError(f"remat.Shapes: checks must be an int >= 0, got {c!r}.")
+            raise ValueError(
+                f"remat.Shapes: checks must be an int >= 0, got {c!r}. Pass the most profiles "
+                "that check the fit (0: profile each size when a batch of it first comes)."
+            )
         if self.larger not in LARGER:
-            raise ValueError(f"remat.Shapes: larger must be one of {LARGER}, got {self.larger!r}.")
+            raise ValueError(
+                f"remat.Shapes: larger must be one of {LARGER}, got {self.larger!r}: 'error' "
+                "raises on a batch larger than the largest planned, 'smallest' runs the plan "
+                "of the smallest peak."
+            )
 
     @property
     def axes(self) -> tuple[int, ...]:
@@ -415,7 +431,12 @@ def shape_plans(
         what = f"{count[0]} of {len(knots)}" if count[0] <= len(knots) else "checking the fit"
         return source(Inputs(*a, **k), f" at size {size} ({what})", timer=timer)
 
-    fit = ShapeFit({n: profile_at(n, loop.timer) for n in knots})
+    with say.active(), bar(len(knots), "profiling sizes", unit="size") as sizes:
+        profiles = {}
+        for n in knots:
+            profiles[n] = profile_at(n, loop.timer)
+            sizes.update()
+    fit = ShapeFit(profiles)
     # Bytes do not depend on the timer: the checks count FLOPs, the cheapest steps.
     missed = fit.refine(
         lambda n: profile_at(n, "flops"), multiple=shapes.multiple, limit=shapes.checks

@@ -44,6 +44,7 @@ from .stepmodel import (
     budget_of,
     predicted_cost,
     predicted_peak,
+    share_note,
     solver_terms,
     step_peak,
     unchecked_peak,
@@ -327,7 +328,11 @@ def plan(
             state and activations, as ``torch.cuda.max_memory_allocated()`` does; or a
             percentage above ``0%`` (``"60%"``) of what the unchecked step allocates
             above its static bytes (parameters, buffers, inputs, kept gradients and
-            optimizer state). Anything else raises ``ValueError``/``TypeError`` naming it.
+            optimizer state); that share counts gradients and optimizer state no plan removes,
+            so a percentage no plan reaches raises ``PlanError`` naming the smallest
+            reachable one. A bare number string (``"50"``) is refused, naming both readings
+            (``"50%"`` or ``"50B"``). Anything else raises ``ValueError``/``TypeError``
+            naming it.
         solver: ``"auto"`` (default), ``"dp"`` or ``"milp"``, all exact. With spans
             (the default) the chain dynamic program of :func:`solve_chain` plans
             (``"auto"`` and ``"dp"``); ``"milp"`` (HiGHS via scipy, the ``remat[plan]``
@@ -383,7 +388,10 @@ def plan(
     checked_all = unchecked_peak(alloc)
     low_ds, low_spans, low = floor(alloc, longest)
     if low.bytes > budget_bytes:
-        raise PlanError(_miss(profile, budget_bytes, low_ds, low_spans, low, checked_all))
+        raise PlanError(
+            _miss(profile, budget_bytes, low_ds, low_spans, low, checked_all)
+            + share_note(profile, budget, low.bytes)
+        )
     n = len(profile.blocks)
     found: tuple[list[Decision], list[Span]] | None = None
     if profile.shared_bytes and checked_all.bytes <= budget_bytes:

@@ -127,7 +127,7 @@ fragmentation and caching on GPUs (the model counts tensor bytes, as
 from __future__ import annotations
 
 from .allocator import allocator_peak, with_scratch
-from .budget import budget_of, parse_budget
+from .budget import budget_of, check_budget, is_share, parse_budget, share_note, smallest_share
 from .derive import HELD_LINES, derive_blocks, equalize_costs
 from .peak import (
     Terms,
@@ -164,10 +164,11 @@ __all__ = [
     "activation_terms",
     "allocator_peak",
     "attribution",
-    "block_share",
     "block_segment",
+    "block_share",
     "block_terms",
     "budget_of",
+    "check_budget",
     "checkpointed_view",
     "derive_blocks",
     "equalize_costs",
@@ -175,6 +176,7 @@ __all__ = [
     "has_exit",
     "head_bytes",
     "input_offload_cost",
+    "is_share",
     "layout",
     "located",
     "options",
@@ -183,6 +185,8 @@ __all__ = [
     "predicted_cost",
     "predicted_peak",
     "profile_data",
+    "share_note",
+    "smallest_share",
     "solver_terms",
     "span_segment",
     "span_segments",
