@@ -193,3 +193,16 @@ def test_a_fake_twin_of_a_hugging_face_model_under_autocast_has_its_bytes(family
         a, k = on_fake(mode, ((), batch))
         prof = measure.profile_loop(fake, Inputs(*a, **k), Loop(fake_opt, timer="flops"))
     assert _bytes_of(prof) == _bytes_of(real)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_fake_twin_under_autocast_has_the_real_steps_bytes():
+    # fake CUDA tensors run the meta kernels: SDPA's choice and the norms' dtypes as CUDA's?
+    torch.manual_seed(0)
+    model, x = build(GPT, device="cuda"), example_input(GPT, device="cuda")
+    opt = torch.optim.AdamW(model.parameters())
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        real = remat.profile(model, x, optimizer=opt, timer="flops")
+        fake = _twin_profile(model, (x,), opt, None)
+    assert _bytes_of(fake) == _bytes_of(real)
