@@ -517,7 +517,9 @@ def auto_checkpoint(
             chosen.diagnostics = advice.on_model(
                 model, chosen, (inputs.args, inputs.kwargs) if diagnose else None, loss_fn
             )
-            say.done(f"planned, measured peak {fmt_bytes(measured + scratch)}")
+            off = measured - chosen.predicted_peak_bytes  # the tensors' bytes: exact, or said
+            missed = f" ({fmt_bytes(abs(off))} {'above' if off > 0 else 'below'} the prediction)"
+            say.done(f"planned, measured peak {fmt_bytes(measured + scratch)}{missed if off else ''}")
             return chosen
         if attempt == 3:
             break
