@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from remat.planner import measure
 from remat.planner.fake import check_fakeable, fake_mode_of, fake_twin, on_fake
 from remat.planner.inputs import Inputs
 from remat.planner.loop import Loop
+from remat.planner.meta import AutocastInForward
 from tests.support.families import (
     GRUModel,
     MobileNet,
@@ -224,3 +226,39 @@ def test_a_measured_peak_off_the_prediction_is_said(capsys):
     err = capsys.readouterr().err
     assert measured < p.predicted_peak_bytes
     assert "below the prediction" in err
+
+
+def _casts_inside(model: nn.Module) -> nn.Module:
+    """``model`` whose forward runs in a bfloat16 autocast region, as accelerate's mixed
+    precision patches it (the bound method replaced on the instance)."""
+    forward = type(model).forward
+    model.forward = types.MethodType(torch.autocast("cpu", dtype=torch.bfloat16)(forward), model)
+    return model
+
+
+def _mlp_stack() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4)]
+    )
+
+
+def test_a_model_that_turns_autocast_on_in_its_forward_is_profiled_through_a_fake_copy(capsys):
+    model = _casts_inside(_mlp_stack())
+    x = torch.randn(64, 32, requires_grad=True)
+
+    def loss(out: torch.Tensor) -> torch.Tensor:
+        return out.float().sum()
+
+    p = remat.auto_checkpoint(model, x, budget="80%", timer="flops", loss_fn=loss)
+    err = capsys.readouterr().err
+    assert "a meta copy" in err and "a fake copy of the model, for autocast" in err
+    assert "the prediction" not in err  # measured as predicted
+    assert remat.measure_peak(model, x, loss_fn=loss) == p.predicted_peak_bytes
+
+
+def test_a_meta_model_that_turns_autocast_on_in_its_forward_is_refused():
+    with torch.device("meta"):
+        model = _casts_inside(_mlp_stack())
+    with pytest.raises(AutocastInForward, match="turns torch.autocast on inside its forward"):
+        remat.profile(model, torch.empty(64, 32, device="meta"), timer="flops")

@@ -56,7 +56,14 @@ from .distributed import active, agree_profile, agree_same
 from .fake import fake_mode_of, fake_steps
 from .inputs import Inputs, model_inputs
 from .loop import Loop, Step
-from .meta import check_no_autocast, check_not_mixed, is_meta, shapes_only, target_device
+from .meta import (
+    NoAutocast,
+    check_no_autocast,
+    check_not_mixed,
+    is_meta,
+    shapes_only,
+    target_device,
+)
 from .probes import (
     CallCount,
     InputFrees,
@@ -274,7 +281,12 @@ def profile_loop(
     if agree:  # before any step: ranks that would run different steps would hang
         agree_same((names, [str(d) for d in chosen], repeats, timer), "the blocks, decisions and steps")
     try:
-        mode = fake_steps(fake) if fake is not None else contextlib.nullcontext()
+        if fake is not None:
+            mode: Any = fake_steps(fake)
+        elif target is not None:  # a meta model: autocast turned on inside it is refused
+            mode = NoAutocast(target.type, "remat.profile")
+        else:
+            mode = contextlib.nullcontext()
         with mode, shapes_only(target, "position_ids" not in inputs.kwargs):
             prof = _profile(model, inputs, loop, blocks, chosen, repeats, threads, calibration,
                             target)  # fmt: skip

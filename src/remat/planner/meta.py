@@ -58,6 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from .._bytes import meta_holds_bytes
@@ -253,6 +254,38 @@ def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | N
         return mask
     ninf = torch.scalar_tensor(float("-inf"), dtype=dtype, device=mask.device)
     return torch.where(mask, 0.0, ninf)
+
+
+class AutocastInForward(ValueError):
+    """A meta model's step entered ``torch.autocast`` for the target's device type (inside its
+    forward: accelerate's mixed precision wraps ``forward`` so), which never casts meta
+    tensors: its bytes would be the full-precision step's. Raised by :class:`NoAutocast` at
+    the first operator that runs in such a region;
+    :class:`~remat.planner.shaped.ProfileSource` then profiles a fake twin instead."""
+
+
+class NoAutocast(TorchFunctionMode):
+    """Inside, a torch function called while autocast is on for ``device_type`` raises
+    :class:`AutocastInForward` (a meta model's profile is refused inside autocast before
+    any step: one that turns up inside its forward is caught here). A function mode, not a
+    dispatch mode: autocast's state reads as off inside ``__torch_dispatch__``."""
+
+    def __init__(self, device_type: str, where: str) -> None:
+        super().__init__()
+        self.device_type, self.where = device_type, where
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        if torch.is_autocast_enabled(self.device_type):
+            raise AutocastInForward(
+                f"{self.where}: the model turns torch.autocast on inside its forward (as "
+                "accelerate's mixed precision does), and autocast never casts meta tensors, so "
+                "the bytes would be the full-precision step's: profile it on its device (a real "
+                "model's auto_checkpoint profiles a fake copy, which autocast casts), or build "
+                "it in the dtype it computes in."
+            )
+        return func(*args, **(kwargs or {}))
 
 
 class CpuStatistics(TorchDispatchMode):

@@ -32,7 +32,7 @@ from .distributed import agree_same
 from .fake import fake_twin, on_fake
 from .inputs import Inputs
 from .loop import Loop
-from .meta import is_meta, on_meta, twin
+from .meta import AutocastInForward, is_meta, on_meta, twin
 from .progress import Progress
 from .shapefit import ShapeFit
 from .solve import Profile
@@ -102,7 +102,8 @@ class ProfileSource:
         self, optimizer: torch.optim.Optimizer | None
     ) -> tuple[nn.Module, torch.optim.Optimizer | None, FakeTensorMode | None]:
         """The model's twin: a fake one inside autocast (which casts CPU and CUDA tensors,
-        never meta ones), else a meta one."""
+        never meta ones), else a meta one (replaced by a fake one where the model turns
+        autocast on inside its forward: :class:`~.meta.AutocastInForward`)."""
         if any(torch.is_autocast_enabled(t) for t in ("cpu", "cuda")):
             return fake_twin(self.model, optimizer)
         model, _, _, opt = twin(self.model, (), {}, optimizer)
@@ -142,6 +143,11 @@ class ProfileSource:
                 return measure.profile_loop(
                     model, Inputs(*a, **k), on_twin, device=device_of(self.model, (args, kwargs))
                 )
+            except AutocastInForward:  # the model's forward casts: a fake twin, once
+                if self._twin is not None and self._twin[2] is None:
+                    self._twin = fake_twin(self.model, loop.optimizer)
+                    return self(inputs, at, timer)
+                raise
             except NOT_FROM_SHAPES as e:
                 cause = e.__cause__ if isinstance(e.__cause__, Exception) else e  # the op's own
                 first = str(cause).splitlines()[0] if str(cause) else ""
