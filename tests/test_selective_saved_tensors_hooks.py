@@ -294,3 +294,46 @@ def test_checkpoint_wrapper_with_a_policy_and_offload_to_cpu_does_not_warn():
         respect_saved_tensors_hooks=True,
     )
     other(x).sum().backward()
+
+
+def test_checkpoint_sequential_passes_the_option_on():
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])
+    ctx = functools.partial(
+        remat.create_selective_checkpoint_contexts, remat.policies.save_matmuls()
+    )
+    x = torch.randn(2, 4, requires_grad=True)
+    packed, grads = [], []
+    for respect in (False, True):
+        hooks = Counting()
+        with hooks:
+            out = remat.checkpoint_sequential(
+                model, 2, x, context_fn=ctx, respect_saved_tensors_hooks=respect
+            )
+        out.sum().backward()
+        packed.append(len(hooks.packed))
+        grads.append(x.grad)
+        x.grad = None
+    assert packed[1] > packed[0]  # the saved matmuls went through the hooks too
+    assert torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.parametrize(
+    "options, error, phrase",
+    [
+        # not a bool: named with its value
+        (
+            {"respect_saved_tensors_hooks": "yes"},
+            TypeError,
+            "must be True, False or None, got 'yes'",
+        ),
+        # the reentrant variant saves nothing selectively: torch 2.14's words
+        (
+            {"respect_saved_tensors_hooks": True, "use_reentrant": True},
+            ValueError,
+            "Passing `context_fn`, `debug`, or `respect_saved_tensors_hooks` is only supported",
+        ),
+    ],
+)
+def test_checkpoint_wrapper_checks_the_option(options, error, phrase):
+    with pytest.raises(error, match=phrase):
+        remat.checkpoint_wrapper(torch.nn.Linear(2, 2), **options)
