@@ -14,9 +14,9 @@ state, with the same random policy (an op list, or a function answering from
 
 remat must give the reference's output and gradients bit for bit, leave the
 global RNG where the reference leaves it, raise in a second backward after
-``retain_graph=True`` exactly where torch does ("Trying to backward an extra
-time": the policy saved an output the recompute used), and raise wherever torch
-raises (or do better, below).
+``retain_graph=True`` only in torch's words ("Trying to backward an extra time":
+the policy saved an output the recompute used; otherwise the reference's gradients
+again), and raise wherever torch raises (or do better, below).
 
 Where torch is wrong (found by these tests, torch 2.13), remat keeps the
 right behaviour and only the reference equality is asserted:
@@ -309,15 +309,9 @@ def check_against_torch(
         assert any(aliases_input(op) for op in saved) or (
             "has been mutated" in str(theirs.error) and preferred
         ), f"torch raised, remat not: {theirs.error!r}"
-    extra = "Trying to backward an extra time"
-    if ours.again_error is not None:  # a second backward: where torch raises, in its words
-        assert extra in str(ours.again_error), f"remat's second backward: {ours.again_error!r}"
-        assert theirs.error is not None or extra in str(theirs.again_error)
-    elif theirs.again_error is not None and theirs.error is None:
-        # remat serves nothing there: torch saved only what remat recomputes (views and
-        # in-place ops, PREFER_SAVE outputs changed in place)
-        assert extra in str(theirs.again_error)
-        assert any(aliases_input(op) for op in saved) or preferred, "torch raised, remat not"
+    if ours.again_error is not None:  # a second backward used up saved outputs: torch's words
+        # (torch's own second backward: tests/test_selective.py, on every torch of the range)
+        assert "Trying to backward an extra time" in str(ours.again_error), ours.again_error
     assert_matches_reference(ref, ours, "remat")
     if theirs.error is None and not torch_known_wrong(saved):
         assert same_grads(ref.grads, theirs.grads), "torch differs from the uncheckpointed run"
@@ -343,7 +337,6 @@ def differential_case(seed: int) -> None:
             use_reentrant=False,
             context_fn=lambda: policy.torch_context_fn(saved, preferred),
         ),
-        retain=True,
     )
     check_against_torch(ref, ours, theirs, saved, preferred)
 
@@ -434,7 +427,7 @@ def nested_case(seed: int, outer_selective: bool) -> None:
 
     ref = run_once(prog, p, lambda f, x: f(x), inner=(at, sub, lambda f, t: f(t)))
     got = run_once(prog, p, ours, retain=True, inner=(at, sub, ours_inner))
-    th = run_once(prog, p, theirs, retain=True, inner=(at, sub, theirs_inner))
+    th = run_once(prog, p, theirs, inner=(at, sub, theirs_inner))
     try:
         check_against_torch(ref, got, th, saved, preferred)
     except AssertionError as e:

@@ -42,12 +42,14 @@ checkpointing has this bug); a served in-place operator would skip its
 mutation of the recomputed tensor. Recomputing them costs nothing: a view
 holds no new memory and an in-place operator's output is its input.
 
-Stored outputs are dropped as the recompute hands them over (so the peak is
+Saved outputs are dropped as the recompute hands them over (so the peak is
 torch's): as in torch, a second backward over the region raises "Trying to
 backward an extra time", also after ``retain_graph=True``. A backward that builds
 a graph (``create_graph=True``) keeps them, because the graph it builds reaches
 back into the region and the next backward recomputes it again: double
-backward works (torch raises there).
+backward works (torch raises there). Offloaded outputs are kept for a second
+backward after ``retain_graph=True`` (torch recomputes offloaded operators in
+eager mode, so a second backward works there too) and dropped otherwise.
 
 Around the region, saved-tensor hooks of the user's (``save_on_cpu``,
 :func:`remat.offload`) see what the policy saves only with
@@ -443,6 +445,14 @@ def _release_all(stash: HostStash, tickets: list[Any]) -> None:
 RECOMPUTE_ENTRY = object()
 _CONSUMED = object()
 
+
+def _backward_keeps_graph() -> bool:
+    """Whether the backward running now retains its graph (True outside backward)."""
+    if torch._C._current_graph_task_id() == -1:
+        return True
+    return bool(torch._C._autograd._get_current_graph_task_keep_graph())
+
+
 #: torch 2.14's words (code matches on them) when saved outputs are already used up.
 _EXTRA_BACKWARD = (
     "Trying to backward an extra time. You are only allowed to backward once on any region "
@@ -684,11 +694,15 @@ class _ServeMode(TorchDispatchMode):
         self.allow_mutation = allow_mutation
         self.counts: dict[Any, int] = {}
         #: whether the backward running this recompute builds a graph (``create_graph``),
-        #: set by the engine before each recompute; then served outputs are kept
+        #: set by the engine before each recompute; then saved outputs are kept
         self.backward_builds_graph = False
+        self.keeps_graph = True
 
     def __enter__(self) -> _ServeMode:
         self.counts = {}
+        # offloaded outputs (remat's own policies; torch recomputes those ops in eager, so
+        # a second backward works there) are kept for a backward that retains the graph
+        self.keeps_graph = _backward_keeps_graph()
         return super().__enter__()  # type: ignore[no-any-return]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -730,7 +744,7 @@ class _ServeMode(TorchDispatchMode):
                 "every backward)."
             )
         out = entry.get(func, self.allow_mutation)
-        if not self.backward_builds_graph:
+        if not (self.keeps_graph if isinstance(entry, _Offloaded) else self.backward_builds_graph):
             entries[i] = _CONSUMED
         if entry.rng is not None:
             _set_rng(entry.rng)
