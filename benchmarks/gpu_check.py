@@ -1,4 +1,4 @@
-"""Everything a GPU changes, checked in one command of at most 8 minutes on one H100-class GPU.
+"""Everything a GPU changes, checked in one command of at most 11 minutes on one H100-class GPU.
 
 GPU time comes rarely and in short stretches, so its minutes go to measuring, not to
 writing the measuring code. On a CUDA device the script runs these parts in order, each
@@ -35,6 +35,12 @@ recorded in the summary and the next part runs.
    checkpointing with dropout on (CUDA RNG replay).
 7. ``overhead``: per-call overhead of ``remat.checkpoint`` against
    ``torch.utils.checkpoint`` on the device (``benchmarks/overhead.py``).
+8. ``suite``: the default test suite (``python -m pytest -q``, as CI and ``noxfile.py``
+   run it; GPU tests included) under the machine's torch, in shards side by side, with
+   that torch's version beside the counts (``benchmarks/gpucheck/suite.py``). The torch
+   version heads ``summary.md``: a GPU run is a row of the README's compatibility table.
+   Last, so that a session short of time has the GPU's own parts first
+   (``--parts environment,pytest,...`` leaves it out).
 
 After every part ``summary.json`` and ``summary.md`` are written under ``--out`` (default
 ``gpu-check/``): a run cut short keeps what it measured (a part still marked ``running``

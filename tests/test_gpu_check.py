@@ -34,9 +34,13 @@ def script() -> Iterator[SimpleNamespace]:
         parts = importlib.import_module("gpucheck.parts")
         run = importlib.import_module("gpucheck.run")
         shapes = importlib.import_module("gpucheck.shapes")
+        suite = importlib.import_module("gpucheck.suite")
+        summary = importlib.import_module("gpucheck.summary")
     finally:
         sys.path.remove(path)
-    yield SimpleNamespace(device=device, parts=parts, run=run, shapes=shapes)
+    yield SimpleNamespace(
+        device=device, parts=parts, run=run, shapes=shapes, suite=suite, summary=summary
+    )
 
 
 def _check(
@@ -100,7 +104,12 @@ def test_dry_run_runs_every_part_and_writes_the_summary(script, tmp_path):
     assert list(cases) == list(script.parts.OFFLOAD_CASES)
     assert all(c["max_grad_diff"] == 0.0 and c["step_times_s"] for c in cases.values())
     assert "non-reentrant" in parts["overhead"]["results"]["ratios"]["sin"]
+    # the suite ran (its dry-run files) under this torch, which is recorded with the counts
+    suite = parts["suite"]["results"]
+    assert suite["torch"] == torch.__version__ and suite["shards"] == 2
+    assert suite["counts"]["passed"] > 0 and suite["counts"]["failed"] == 0
     md = (tmp_path / "summary.md").read_text()
+    assert f"torch {torch.__version__}" in md.splitlines()[0]
     for heading in (
         "pytest -m gpu",
         "Planner exactness",
@@ -108,6 +117,7 @@ def test_dry_run_runs_every_part_and_writes_the_summary(script, tmp_path):
         "remat bench",
         "Offload",
         "overhead",
+        f"The default test suite (`python -m pytest -q`), torch {torch.__version__}",
     ):
         assert heading in md
     assert md in done.stdout  # printed as written
@@ -228,3 +238,28 @@ def test_shapes_part_saves_a_calibration_and_measures_a_plan_from_shapes_as_pred
 )
 def test_calibration_file_is_named_after_the_gpu(script, name, file):
     assert script.shapes.slug(name) == file
+
+
+def test_suite_shards_cover_every_test_file_and_the_doctests_once(script):
+    suite = script.suite
+    items = suite.suite_items(ROOT)
+    assert "src/remat" in items and "tests/test_torch_compat.py" in items
+    groups = suite.shards(items, 4, ROOT)
+    assert len(groups) == 4 and all(groups)
+    assert sorted(i for g in groups for i in g) == sorted(items)
+
+
+def test_suite_part_is_rendered_with_its_torch_and_counts_it_in_the_verdict(script):
+    summary = _summary()
+    found = {
+        "torch": "2.14.1+cu130",
+        "shards": 8,
+        "counts": {"passed": 3, "failed": 1, "error": 0, "skipped": 2},
+        "not_passed": [{"test": "t::x", "outcome": "failed", "message": "boom"}],
+    }
+    summary["parts"]["suite"] = {"status": "ok", "seconds": 1.0, "limit_s": 180, "results": found}
+    md = script.summary.render(summary)
+    assert "torch 2.14.1+cu130" in md.splitlines()[0]
+    assert "3 passed, 1 failed, 0 error, 2 skipped (8 shards side by side)." in md
+    assert "- failed: `t::x`: boom" in md
+    assert not script.run.succeeded(summary)

@@ -1,5 +1,6 @@
-"""remat._nonreentrant on a torch without ``_make_saved_tensor`` (older than the one
-installed): the region's inputs kept by reference and their versions checked by hand."""
+"""remat._nonreentrant on a torch without ``_make_saved_tensor`` (torch 2.11; patched away
+on a torch that has it): the region's inputs kept by reference and their versions checked
+by hand."""
 
 from __future__ import annotations
 
@@ -7,13 +8,13 @@ import pytest
 import torch
 
 import remat
-from remat import _nonreentrant
+from remat import _nonreentrant, _torch_compat
 
 
 @pytest.fixture
 def older_torch(monkeypatch):
     """The engine as on a torch whose autograd cannot make a ``SavedTensor`` from Python."""
-    monkeypatch.setattr(_nonreentrant, "_make_saved", None)
+    monkeypatch.setattr(_torch_compat, "make_saved_tensor", None)
 
 
 def data(*shape: int, seed: int = 0) -> torch.Tensor:

@@ -191,21 +191,44 @@ def test_policy_answering_differently_in_recompute_raises():
         out.sum().backward()
 
 
-def test_second_backward_over_selective_region_with_retain_graph():
+@pytest.mark.parametrize(
+    "ck, contexts",
+    [
+        (remat.checkpoint, remat.create_selective_checkpoint_contexts),
+        (
+            functools.partial(tuc.checkpoint, use_reentrant=False),
+            tuc.create_selective_checkpoint_contexts,
+        ),
+    ],
+    ids=["remat", "torch"],
+)
+def test_second_backward_over_selective_region_raises_after_retain_graph(ck, contexts):
+    # torch's own test_can_only_trigger_recompute_once: what the policy saved serves one
+    # backward; retain_graph=True keeps the graph, not the saved outputs (torch alike)
+    x, w1, w2 = make_params()
+    out = ck(block, x, w1, w2, context_fn=functools.partial(contexts, [MM])).sum()
+    out.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="Trying to backward an extra time"):
+        out.backward()
+
+
+def test_backward_that_builds_a_graph_keeps_saved_outputs_for_the_next_one():
+    # create_graph=True: the gradients' graph reaches back into the region, so the next
+    # backward recomputes it again and is served the saved outputs (torch raises here)
     x, w1, w2 = make_params()
     torch.manual_seed(1)
-    ref = block(x, w1, w2).sum()
-    ref.backward()
+    (ref,) = torch.autograd.grad(block(x, w1, w2).sum(), w1, create_graph=True)
+    ref.square().sum().backward()
     ref_grads = [t.grad.clone() for t in (x, w1, w2)]
     for t in (x, w1, w2):
         t.grad = None
     torch.manual_seed(1)
     ctx_fn = functools.partial(remat.create_selective_checkpoint_contexts, [MM])
     out = remat.checkpoint(block, x, w1, w2, context_fn=ctx_fn).sum()
-    out.backward(retain_graph=True)
-    out.backward()
+    (gw,) = torch.autograd.grad(out, w1, create_graph=True)
+    gw.square().sum().backward()
     for t, r in zip((x, w1, w2), ref_grads):
-        assert torch.equal(t.grad, 2 * r)
+        assert torch.equal(t.grad, r)
 
 
 def test_saved_random_op_keeps_later_random_ops_in_step():

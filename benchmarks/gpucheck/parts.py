@@ -33,6 +33,7 @@ from .device import PRECISIONS, ROOT, Check, allocator_window, autocast, release
 from .planner import part_planner
 from .run import Deadline, Part, PartTimeout
 from .shapes import part_shapes
+from .suite import part_suite
 
 # -- part 1: environment -------------------------------------------------------------------------
 
@@ -367,4 +368,5 @@ PARTS: dict[str, Part] = {
     "bench": part_bench,
     "offload": part_offload,
     "overhead": part_overhead,
+    "suite": part_suite,
 }

@@ -24,10 +24,11 @@ LIMITS_S = {
     "bench": 80.0,
     "offload": 60.0,
     "overhead": 40.0,
+    "suite": 180.0,
 }
 """Each part's time limit in seconds. A part checks it between units of work (a plan, a
 round) and stops there; a unit that overruns is interrupted :data:`GRACE_S` later. With the
-grace, the parts add up to 8 minutes."""
+grace, the parts add up to 11 minutes (8 without the last, ``suite``)."""
 
 GRACE_S = 10.0
 """How long past its limit a part runs before it is interrupted (SIGALRM)."""
@@ -135,9 +136,13 @@ def save(summary: dict[str, Any], out: Path) -> None:
 
 
 def succeeded(summary: dict[str, Any]) -> bool:
-    """Every part ran (``ok`` or ``partial``) and no GPU test failed or errored."""
+    """Every part ran (``ok`` or ``partial``) and no test (GPU tests, the suite) failed or
+    errored."""
     parts = summary["parts"].values()
     if any(p["status"] not in ("ok", "partial") for p in parts):
         return False
-    counts = summary["parts"].get("pytest", {}).get("results", {}).get("counts", {})
-    return not counts.get("failed") and not counts.get("error")
+    for name in ("pytest", "suite"):
+        counts = summary["parts"].get(name, {}).get("results", {}).get("counts", {})
+        if counts.get("failed") or counts.get("error"):
+            return False
+    return True

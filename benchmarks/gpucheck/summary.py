@@ -21,9 +21,10 @@ def part_line(name: str, found: dict[str, Any]) -> str:
     """One cell: what the part found, in a few words."""
     if name == "environment":
         return f"{found.get('gpu', found.get('device', ''))}, workspaces {_mib(found.get('workspace_bytes'))}"
-    if name == "pytest":
+    if name in ("pytest", "suite"):
         c = found.get("counts")
-        return ", ".join(f"{v} {k}" for k, v in c.items()) if c else found.get("cut_short", "")
+        text = ", ".join(f"{v} {k}" for k, v in c.items()) if c else found.get("cut_short", "")
+        return f"torch {found['torch']}: {text}" if name == "suite" and "torch" in found else text
     if name == "planner":
         cells = []
         for row in found.get("configs", []):
@@ -58,8 +59,9 @@ def render(summary: dict[str, Any]) -> str:
     parts = summary["parts"]
     env = parts.get("environment", {}).get("results", {})
     what = "dry run on CPU (numbers mean nothing)" if summary["dry_run"] else env.get("gpu", "?")
+    torch_version = env.get("torch") or parts.get("suite", {}).get("results", {}).get("torch")
     lines = [
-        f"### GPU check: {what} ({summary['started']})",
+        f"### GPU check: {what}, torch {torch_version or '?'} ({summary['started']})",
         "",
         f"`{summary['command']}`, {summary.get('seconds', '?')} s. {environment_line(env)}",
         "",
@@ -81,6 +83,7 @@ def render(summary: dict[str, Any]) -> str:
         ("bench", _render_bench),
         ("offload", _render_offload),
         ("overhead", _render_overhead),
+        ("suite", _render_suite),
     ):
         if name in parts:
             lines += ["", *fn(parts[name]["results"])]
@@ -115,6 +118,23 @@ def _render_pytest(found: dict[str, Any]) -> list[str]:
     if "counts" in found:
         lines.append(", ".join(f"{v} {k}" for k, v in found["counts"].items()) + ".")
     for t in bad:
+        lines.append(f"- {t['outcome']}: `{t['test']}`: {t['message']}")
+    return lines
+
+
+def _render_suite(found: dict[str, Any]) -> list[str]:
+    lines = [
+        f"#### The default test suite (`python -m pytest -q`), torch {found.get('torch', '?')}",
+        "",
+    ]
+    if "counts" in found:
+        lines.append(
+            ", ".join(f"{v} {k}" for k, v in found["counts"].items())
+            + f" ({found.get('shards', '?')} shards side by side"
+            + (f"; {found['cut_short']}" if found.get("cut_short") else "")
+            + ")."
+        )
+    for t in found.get("not_passed", []):
         lines.append(f"- {t['outcome']}: `{t['test']}`: {t['message']}")
     return lines
 

@@ -31,7 +31,7 @@ from ._checkpoint import checkpoint
 
 _TORCH_WRAPPER_MODULE = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
 #: Options of :func:`remat.checkpoint` that the wrapper takes through ``**checkpoint_fn_kwargs``.
-CHECKPOINT_OPTIONS = ("determinism_check", "debug", "early_stop")
+CHECKPOINT_OPTIONS = ("determinism_check", "debug", "early_stop", "respect_saved_tensors_hooks")
 _CHECKS = ("default", "none", "values")
 
 
@@ -223,6 +223,17 @@ def _check_extra(extra: dict[str, Any], reentrant: bool) -> None:
             )
         if key in ("debug", "early_stop") and not isinstance(value, bool):
             raise TypeError(f"checkpoint_wrapper: {key} must be True or False, got {value!r}.")
+        if key == "respect_saved_tensors_hooks" and not (value is None or isinstance(value, bool)):
+            raise TypeError(
+                "checkpoint_wrapper: respect_saved_tensors_hooks must be True, False or None, "
+                f"got {value!r} (see remat.checkpoint)."
+            )
+    if reentrant and extra.get("respect_saved_tensors_hooks") is not None:
+        raise ValueError(
+            "checkpoint_wrapper: Passing `context_fn`, `debug`, or `respect_saved_tensors_hooks` "
+            "is only supported when use_reentrant=False. Drop respect_saved_tensors_hooks or use "
+            "use_reentrant=False / CheckpointImpl.NO_REENTRANT."
+        )
     if reentrant and extra.get("debug"):
         raise ValueError(
             "checkpoint_wrapper: Passing `context_fn` or `debug` is only supported when "

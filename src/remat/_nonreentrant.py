@@ -48,19 +48,13 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes as _no_modes
 
-from . import _config, _observe
+from . import _config, _observe, _torch_compat
 from ._errors import CheckpointError
 from ._state import ForwardState, generators_in
+from ._torch_compat import mark_internal, user_saved_tensors_hooks
 from ._tree import SLOT, has_nested, replace_tensors, tensors_in
 
-_make_saved: Callable[..., Any] | None
-try:
-    from torch._C._autograd import _make_saved_tensor as _make_saved
-except ImportError:  # older torch: inputs kept by _KeptByHand
-    _make_saved = None
-_top_hooks: Callable[[bool], Any] = getattr(
-    torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _: None
-)
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
 _modes_on = torch._C._len_torch_dispatch_stack
 _no_python_dispatch = torch._C._DisableTorchDispatch
@@ -122,10 +116,17 @@ def _describe(meta: tuple[Any, ...]) -> str:
     return f"shape={tuple(shape)}, dtype={dtype}, device={device}"
 
 
+@mark_internal
 class _Frame:
-    """One call of a checkpointed function: its inputs, state and holders."""
+    """One call of a checkpointed function: its inputs, state and holders.
+
+    The frame itself is the pack hook of its forward (``frame(x)`` is
+    :meth:`pack`), marked as checkpoint's own (:mod:`remat._torch_compat`): torch
+    2.14's selective mode inside the region looks past it to the user's hooks.
+    """
 
     __slots__ = (
+        "_user_hooks",
         "fn",
         "args",
         "kwargs",
@@ -169,6 +170,7 @@ class _Frame:
         self.done: set[Any] = set()
         self.forward_completed = False
         self.fwd_ops: list[tuple[str, str]] | None = None
+        self._user_hooks: Any = None
         self.nested = nested
         self.kwargs = kwargs
         self.args: Any = args
@@ -199,6 +201,8 @@ class _Frame:
         elif check == "values":
             self.metas.append((x.shape, x.dtype, x.device, _checksum(x)))
         return h
+
+    __call__ = pack
 
     def unpack(self, h: _Holder) -> torch.Tensor:
         gid: Any = _graph_task_id()
@@ -266,11 +270,15 @@ class _Frame:
         args, kwargs = self.input_values()
         rec = _RecomputeHook(self, gid)
         log = None
+        ctx = self.recompute_ctx
+        if ctx is not None and hasattr(ctx, "backward_builds_graph"):
+            # autograd runs backward in grad mode exactly when it builds a graph
+            # (create_graph=True): selective checkpointing then keeps what it serves
+            ctx.backward_builds_graph = torch.is_grad_enabled()
         state = self.state  # None: the function replays the state itself (PiecewiseRegion)
         token = state.enter() if state is not None else None
-        ctx = self.recompute_ctx
         try:
-            with _UnderHooks(rec.pack, _identity, recompute=True), torch.enable_grad():
+            with _UnderHooks(rec, _identity, recompute=True), torch.enable_grad():
                 if self.debug:
                     from ._debug import OpLog
 
@@ -330,6 +338,8 @@ class _ObservedFrame(_Frame):
         self.probe.saw(x)
         return super().pack(x)
 
+    __call__ = pack
+
     def recompute(self, gid: Any) -> None:
         self.probe.recompute_start()
         try:
@@ -370,12 +380,18 @@ def _identity(x: Any) -> Any:
 
 class _UnderHooks:
     """Inside: a region's depth raised (:mod:`remat._config`) and its saved-tensor hooks
-    pushed; both undone on exit, exceptions included (a push refused by autograd too)."""
+    pushed; both undone on exit, exceptions included (a push refused by autograd too).
+
+    ``pack`` is a frame or a recompute hook: while pushed it records the user's hooks
+    under it (``_user_hooks``, read by :func:`remat._torch_compat.user_saved_tensors_hooks`);
+    they are forgotten on exit, so that the graph, which keeps the pack hook, does not keep
+    the user's hooks alive.
+    """
 
     __slots__ = ("pack", "unpack", "depth")
 
     def __init__(
-        self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any], recompute: bool = False
+        self, pack: _Frame | _RecomputeHook, unpack: Callable[[Any], Any], recompute: bool = False
     ) -> None:
         self.pack = pack
         self.unpack = unpack
@@ -384,14 +400,18 @@ class _UnderHooks:
     def __enter__(self) -> None:
         depth = self.depth
         depth.__enter__()
+        pack = self.pack
         try:
-            _push_hooks(self.pack, self.unpack)
+            pack._user_hooks = user_saved_tensors_hooks()
+            _push_hooks(pack, self.unpack)
         except BaseException:
+            pack._user_hooks = None
             depth.__exit__(None, None, None)
             raise
 
     def __exit__(self, *exc: object) -> None:
         _pop_hooks()
+        self.pack._user_hooks = None
         self.depth.__exit__(None, None, None)
 
 
@@ -414,12 +434,14 @@ class _DropTask:
             frame.drop(self.gid)
 
 
+@mark_internal
 class _RecomputeHook:
-    """Pack hook of a recompute: hands the i-th saved tensor to the i-th holder."""
+    """Pack hook of a recompute (``hook(x)``): hands the i-th saved tensor to the i-th holder."""
 
-    __slots__ = ("frame", "gid", "count", "bad", "quiet")
+    __slots__ = ("frame", "gid", "count", "bad", "quiet", "_user_hooks")
 
     def __init__(self, frame: _Frame, gid: Any) -> None:
+        self._user_hooks: Any = None
         self.frame = frame
         self.gid = gid
         self.count = 0
@@ -471,6 +493,8 @@ class _RecomputeHook:
         if frame.early_stop and i + 1 == n:
             raise _StopRecompute(frame)
         return x
+
+    __call__ = pack
 
     def finish(self, log: Any) -> None:
         frame = self.frame
@@ -524,11 +548,14 @@ def run_nonreentrant(
     debug: bool,
     early_stop: bool,
     state: ForwardState | None = None,
+    respect_saved_tensors_hooks: bool | None = None,
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` as a non-reentrant checkpointed region.
 
     ``state``: the forward state to replay, when the caller has just recorded it
     (a span's block shares one with its own region); by default it is recorded here.
+    ``respect_saved_tensors_hooks``: handed to a selective ``context_fn``'s forward mode
+    (remat's, or torch's where torch has the option).
     """
     nested = bool(kwargs) or has_nested(args)
     tensors: list[torch.Tensor]
@@ -549,8 +576,10 @@ def run_nonreentrant(
     rec_ctx: Any = None
     if context_fn is not None:
         fwd_ctx, rec_ctx = _contexts(context_fn)
-    if fwd_ctx is not None and hasattr(fwd_ctx, "enclosing"):
-        fwd_ctx.enclosing = enclosing_region()
+    if fwd_ctx is not None:
+        if hasattr(fwd_ctx, "enclosing"):
+            fwd_ctx.enclosing = enclosing_region()
+        _torch_compat.set_hooks_option(fwd_ctx, respect_saved_tensors_hooks)
     obs = _observe.current()
     probe = None if obs is None else obs.region_start("checkpoint", fn)
     try:
@@ -577,7 +606,7 @@ def run_nonreentrant(
 
         log = OpLog()
     try:
-        with _UnderHooks(frame.pack, frame.unpack):
+        with _UnderHooks(frame, frame.unpack):
             if fwd_ctx is None and log is None:
                 out = fn(*args, **kwargs)
             else:
@@ -600,10 +629,7 @@ def enclosing_region() -> tuple[Callable[[Any], Any], Callable[[Any], Any]] | No
     brings it back with its own recompute (:class:`remat._selective._Passed`).
     """
     hooks = _top_hooks(False)
-    if hooks is None:
-        return None
-    owner = getattr(hooks[0], "__self__", None)
-    if isinstance(owner, (_Frame, _RecomputeHook)):
+    if hooks is not None and isinstance(hooks[0], (_Frame, _RecomputeHook)):
         return hooks[0], hooks[1]
     return None
 
@@ -701,7 +727,9 @@ class _KeptByHand:
     __slots__ = ("value", "unpack_hook", "version", "who", "requires_grad")
 
     def __init__(self, t: torch.Tensor, who: str) -> None:
-        hooks = _top_hooks(False)
+        hooks: Any = _top_hooks(False)
+        self.value: Any
+        self.unpack_hook: Callable[[Any], torch.Tensor] | None
         self.who = who
         self.version = t._version
         self.requires_grad = t.requires_grad
@@ -732,8 +760,9 @@ class _KeptByHand:
 
 def _keep_input(t: torch.Tensor, who: str) -> Any:
     """``t`` kept for a recompute under the saved-tensor hooks active now."""
-    if _make_saved is not None:
-        return _make_saved(t, is_output=False)
+    make = _torch_compat.make_saved_tensor
+    if make is not None:
+        return make(t, is_output=False)
     return _KeptByHand(t, who)
 
 
@@ -769,7 +798,7 @@ class PiecewiseRegion:
 
     def piece(self) -> AbstractContextManager[None]:
         """Context manager: one piece of the forward runs inside."""
-        return _UnderHooks(self.frame.pack, self.frame.unpack)
+        return _UnderHooks(self.frame, self.frame.unpack)
 
     def complete(self) -> None:
         """Mark the forward finished: from now on a recompute must save what it saved."""

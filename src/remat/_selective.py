@@ -42,10 +42,23 @@ checkpointing has this bug); a served in-place operator would skip its
 mutation of the recomputed tensor. Recomputing them costs nothing: a view
 holds no new memory and an in-place operator's output is its input.
 
-Stored outputs are dropped as the recompute hands them over when the backward
-running it does not retain the graph (so the peak is torch's); under
-``retain_graph=True`` they are kept, so that, unlike torch, a second backward
-over the region works.
+Saved outputs are dropped as the recompute hands them over (so the peak is
+torch's): as in torch, a second backward over the region raises "Trying to
+backward an extra time", also after ``retain_graph=True``. A backward that builds
+a graph (``create_graph=True``) keeps them, because the graph it builds reaches
+back into the region and the next backward recomputes it again: double
+backward works (torch raises there). Offloaded outputs are kept for a second
+backward after ``retain_graph=True`` (torch recomputes offloaded operators in
+eager mode, so a second backward works there too) and dropped otherwise.
+
+Around the region, saved-tensor hooks of the user's (``save_on_cpu``,
+:func:`remat.offload`) see what the policy saves only with
+``respect_saved_tensors_hooks=True`` (:func:`remat.checkpoint`); by default
+(``None``, torch 2.14's) they do not, and the forward warns (``FutureWarning``,
+torch's words) the first time the policy saves under them. Inside an enclosing
+remat region (a nested checkpoint, a span) saved outputs always go to that region,
+whatever the option says: it drops them in forward and its recompute brings them
+back (:class:`_Passed`), so nothing bypasses anything and there is nothing to warn about.
 
 Inside ``torch.compile`` the contexts are torch's own (the compiler knows how
 to trace them); the offload policies then follow torch's compiled semantics.
@@ -55,6 +68,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -69,15 +83,14 @@ from ._bytes import element_bytes
 from ._errors import CheckpointError
 from ._offload import HostStash, shared_stash
 from ._state import host_state, tensor_state
+from ._torch_compat import user_saved_tensors_hooks
 from .policies import CheckpointPolicy, OpPolicy
 
 _SAVE = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
 _OFFLOAD = (CheckpointPolicy.MUST_CPU_OFFLOAD, CheckpointPolicy.PREFER_CPU_OFFLOAD)
 #: Operators selective checkpointing neither asks the policy about nor stores: torch's own
 #: set (the same object, so an op added to either is ignored by both).
-SAC_IGNORED_OPS: set[Any] = getattr(
-    _tuc, "SAC_IGNORED_OPS", {torch.ops.aten.detach.default, torch.ops.prim.device.default}
-)
+SAC_IGNORED_OPS: set[Any] = _tuc.SAC_IGNORED_OPS
 _SEEDED = torch.Tag.nondeterministic_seeded
 
 
@@ -286,6 +299,39 @@ class _Passed:
         return vals[0] if self.single else tuple(vals)
 
 
+class _Hooked(_Passed):
+    """A saved output routed through the user's saved-tensor hooks around the region
+    (``respect_saved_tensors_hooks=True``): packed by them in forward (``save_on_cpu``
+    copies it to host memory), unpacked when the recompute reaches the operator.
+
+    A change in place after the region is caught, as in torch, by the version counter of
+    what the pack hook returned when that is a tensor (a hook that keeps the tensor
+    itself); a change inside the region as for :class:`_Saved` (``written``).
+    """
+
+    __slots__ = ("packed_versions",)
+
+    def __init__(self, out: Any, pack: Callable[[Any], Any], unpack: Callable[[Any], Any]) -> None:
+        super().__init__(out, pack, unpack)
+        self.packed_versions = [
+            p._version if isinstance(p, torch.Tensor) else None for p in self.packed
+        ]
+
+    def get(self, func: Any, allow_mutation: bool) -> Any:
+        vals = []
+        for p, ver, pver in zip(self.packed, self.versions, self.packed_versions):
+            if ver is None:  # not a tensor
+                vals.append(p)
+                continue
+            if not allow_mutation and pver is not None and p._version != pver:
+                _mutated(func, pver, p, self.written)
+            v = self.unpack(p)
+            if not allow_mutation and self.written:
+                _mutated(func, v._version, v, True)
+            vals.append(_alias(v))
+        return vals[0] if self.single else tuple(vals)
+
+
 def _mutated(func: Any, version: int, v: torch.Tensor, written: bool) -> None:
     how = (
         f"(version {version} -> {v._version})"
@@ -398,14 +444,29 @@ def _release_all(stash: HostStash, tickets: list[Any]) -> None:
 #: A cache entry of an operator the policy recomputes (the planner's FLOPs count reads it).
 RECOMPUTE_ENTRY = object()
 _CONSUMED = object()
-_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
 
 
 def _backward_keeps_graph() -> bool:
-    """Whether the backward running now retains its graph (True when unknown)."""
-    if _keep_graph is None or torch._C._current_graph_task_id() == -1:
+    """Whether the backward running now retains its graph (True outside backward)."""
+    if torch._C._current_graph_task_id() == -1:
         return True
-    return bool(_keep_graph())
+    return bool(torch._C._autograd._get_current_graph_task_keep_graph())
+
+
+#: torch 2.14's words (code matches on them) when saved outputs are already used up.
+_EXTRA_BACKWARD = (
+    "Trying to backward an extra time. You are only allowed to backward once on any region "
+    "computed under selective activation checkpoint."
+)
+#: torch 2.14's words when a selective region saves under the user's saved-tensor hooks.
+_HOOKS_BYPASSED = (
+    "A saved_tensors_hooks context (e.g. save_on_cpu) is active around a selective activation "
+    "checkpoint region. Tensors that SAC saves currently bypass these hooks, but a future "
+    "release will route them through the hooks like any other saved tensor. Silence this "
+    "warning and choose the behavior explicitly by passing "
+    "respect_saved_tensors_hooks=True|False to remat.checkpoint (True: what the policy saves "
+    "goes through the hooks, to host memory under save_on_cpu or remat.offload)."
+)
 
 
 def _rng_after(out: Any) -> tuple[Any, ...]:
@@ -460,13 +521,30 @@ class _SaveMode(TorchDispatchMode):
         #: (pack, unpack) of the remat region this one is nested in, set by the engine
         #: before each forward: saved outputs are handed to it (:class:`_Passed`)
         self.enclosing: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None
+        #: checkpoint's ``respect_saved_tensors_hooks`` (torch 2.14's attribute name), set
+        #: by the engine before each forward
+        self.respect_saved_tensors_hooks: bool | None = None
+        #: the user's saved-tensor hooks around the region, outside an enclosing one
+        self.user_hooks: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None
+        self.warned = False
         self.passed: list[_Passed] = []
 
     def __enter__(self) -> _SaveMode:
         self.offloaded = {}
         self.saved = {}
         self.passed = []
+        self.warned = False
+        self.user_hooks = None if self.enclosing is not None else user_saved_tensors_hooks()
         return super().__enter__()  # type: ignore[no-any-return]
+
+    def _through_user_hooks(self) -> bool:
+        """Whether a saved output goes through the user's hooks (there are some); by
+        default it does not, and the first one saved says so (torch 2.14's warning)."""
+        respect = self.respect_saved_tensors_hooks
+        if respect is None and not self.warned:
+            self.warned = True
+            warnings.warn(_HOOKS_BYPASSED, FutureWarning, stacklevel=2)
+        return bool(respect)
 
     def __exit__(self, *exc: Any) -> None:
         entries = list(self.offloaded.values()) if self.offloaded else ()
@@ -506,6 +584,9 @@ class _SaveMode(TorchDispatchMode):
             entry: Any
             if self.enclosing is not None:
                 entry = _Passed(out, *self.enclosing)
+                self.passed.append(entry)
+            elif self.user_hooks is not None and self._through_user_hooks():
+                entry = _Hooked(out, *self.user_hooks)
                 self.passed.append(entry)
             else:
                 entry = _Saved(out)
@@ -612,11 +693,16 @@ class _ServeMode(TorchDispatchMode):
         self.store = store
         self.allow_mutation = allow_mutation
         self.counts: dict[Any, int] = {}
-        self.consume = False
+        #: whether the backward running this recompute builds a graph (``create_graph``),
+        #: set by the engine before each recompute; then saved outputs are kept
+        self.backward_builds_graph = False
+        self.keeps_graph = True
 
     def __enter__(self) -> _ServeMode:
         self.counts = {}
-        self.consume = not _backward_keeps_graph()
+        # offloaded outputs (remat's own policies; torch recomputes those ops in eager, so
+        # a second backward works there) are kept for a backward that retains the graph
+        self.keeps_graph = _backward_keeps_graph()
         return super().__enter__()  # type: ignore[no-any-return]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -651,13 +737,14 @@ class _ServeMode(TorchDispatchMode):
             return func(*args, **kwargs)
         if entry is _CONSUMED:
             raise CheckpointError(
-                "selective checkpointing: Trying to backward an extra time over a region "
-                f"computed under selective activation checkpoint: the saved output of {func} "
-                "was already used by an earlier backward that did not retain the graph. remat "
-                "allows a second backward when the first one passes retain_graph=True."
+                f"{_EXTRA_BACKWARD} The output of {func} that the policy saved was used up by "
+                "an earlier backward (retain_graph=True keeps the graph, not what selective "
+                "checkpointing saved). Run the forward again before each backward, or "
+                "checkpoint this region without a policy (remat.checkpoint recomputes it in "
+                "every backward)."
             )
         out = entry.get(func, self.allow_mutation)
-        if self.consume:
+        if not (self.keeps_graph if isinstance(entry, _Offloaded) else self.backward_builds_graph):
             entries[i] = _CONSUMED
         if entry.rng is not None:
             _set_rng(entry.rng)

@@ -47,7 +47,7 @@ def checkpoint_sequential(
         use_reentrant: as in :func:`checkpoint` (default ``False``).
         **kwargs: the other options of :func:`checkpoint`
             (``preserve_rng_state``, ``context_fn``, ``determinism_check``,
-            ``debug``, ``early_stop``).
+            ``debug``, ``early_stop``, ``respect_saved_tensors_hooks``).
 
     Example:
         >>> import torch, remat
@@ -55,7 +55,14 @@ def checkpoint_sequential(
         >>> x = torch.randn(2, 4, requires_grad=True)
         >>> remat.checkpoint_sequential(model, 2, x).sum().backward()
     """
-    allowed = {"preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop"}
+    allowed = {
+        "preserve_rng_state",
+        "context_fn",
+        "determinism_check",
+        "debug",
+        "early_stop",
+        "respect_saved_tensors_hooks",
+    }
     unknown = sorted(set(kwargs) - allowed)
     if unknown:
         raise ValueError(

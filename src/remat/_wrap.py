@@ -44,6 +44,7 @@ _CHECKPOINT_KEYWORDS = frozenset(
         "determinism_check",
         "debug",
         "early_stop",
+        "respect_saved_tensors_hooks",
     )
 )
 
@@ -151,6 +152,10 @@ class _CheckpointedForward:
         if opts.offload_to_cpu:
             from ._offload import offload
 
+            if context_fn is not None and opts.checkpoint_fn is None:
+                # offload_to_cpu moves the region's inputs: the wrapper's own hooks, which
+                # what the policy saves stays out of unless asked (and without a warning)
+                extra.setdefault("respect_saved_tensors_hooks", False)
             with offload(min_bytes=0):
                 return self._run(module, opts, fn, call_args, call_kwargs, extra)
         return self._run(module, opts, fn, call_args, call_kwargs, extra)
@@ -289,8 +294,12 @@ def checkpoint_wrapper(
             gets the keywords given here (``preserve_rng_state`` only when
             ``False``) and replaces remat's engine.
         **checkpoint_fn_kwargs: options of :func:`checkpoint`
-            (``determinism_check``, ``debug``, ``early_stop``), or anything a
-            custom ``checkpoint_fn`` takes.
+            (``determinism_check``, ``debug``, ``early_stop``,
+            ``respect_saved_tensors_hooks``), or anything a custom
+            ``checkpoint_fn`` takes. With ``offload_to_cpu=True`` and a policy,
+            ``respect_saved_tensors_hooks`` is ``False`` unless given: the
+            wrapper's own offload moves the region's inputs, not what the
+            policy saves.
 
     Returns:
         ``module`` itself.

@@ -16,6 +16,7 @@ class Outcome:
     grads: list[torch.Tensor | None] | None = None
     rng: torch.Tensor | None = None
     grads_again: list[torch.Tensor | None] | None = None  # from a second backward
+    again_error: BaseException | None = None  # what the second backward raised
     fwd_bytes: int | None = None
     torch_frozen_warned: bool = False
     repeated_args: bool = False  # a region got one tensor as two arguments
