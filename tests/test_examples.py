@@ -13,9 +13,12 @@ EXAMPLES = sorted((pathlib.Path(__file__).parent.parent / "examples").glob("*.py
 #: Examples that start several processes: slow tests, as the project's multi-process ones.
 MULTI_PROCESS = {"torchrun_plan.py", "pipeline_plan.py"}
 
+#: Examples that train with a framework's trainer (11-13 s each): slow tests too.
+TRAINERS = {"hf_trainer.py", "lightning_fit.py"}
+
 
 def _param(script: pathlib.Path) -> object:
-    marks = [pytest.mark.slow] if script.name in MULTI_PROCESS else []
+    marks = [pytest.mark.slow] if script.name in MULTI_PROCESS | TRAINERS else []
     return pytest.param(script, id=script.name, marks=marks)
 
 

@@ -97,8 +97,10 @@ def quiet_transformers():
     "accumulation,bf16",
     [
         (1, False),  # gradients freed after each step: set_to_none=True
-        (2, False),  # two micro-batches per step: gradients kept between them
-        (2, True),  # and accelerate's bfloat16 autocast around the model's forward
+        # two micro-batches per step: gradients kept between them (slow: 5 s)
+        pytest.param(2, False, marks=pytest.mark.slow),
+        # and accelerate's bfloat16 autocast around the model's forward (slow: 12 s)
+        pytest.param(2, True, marks=pytest.mark.slow),
     ],
 )
 def test_trainer_with_callback_trains_as_without_and_within_the_budget(

@@ -52,6 +52,7 @@ def test_readme_first_python_example_is_short_and_early():
     assert line <= 30 and len(code.strip().splitlines()) <= 10
 
 
+@pytest.mark.slow  # 14 s: every block in a fresh interpreter
 def test_every_readme_python_block_runs_top_to_bottom_in_a_fresh_interpreter(tmp_path):
     blocks = [(line, code) for lang, line, code in fences() if lang == "python"]
     assert len(blocks) >= 4

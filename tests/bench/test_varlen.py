@@ -15,6 +15,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # 15 s: the benchmark's quick run
 def test_quick_run_writes_every_field_within_budget_and_bitwise(tmp_path):
     out = tmp_path / "varlen.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}

@@ -278,6 +278,7 @@ def test_spans_never_hold_an_output_the_model_keeps_with_the_two_blocks_after_it
         assert predicted_cost(blocks, *found) == pytest.approx(best, abs=1e-9)
 
 
+@pytest.mark.slow  # 7.5 s for both
 @pytest.mark.parametrize("limit", [1, 3])
 def test_too_many_states_in_the_second_stage_fall_back_to_a_least_cost_plan(monkeypatch, limit):
     import remat.planner.solve as solve_module

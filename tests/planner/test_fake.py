@@ -82,7 +82,14 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+#: The cases the default run takes (each is 3-4 s); the others run with the slow tests.
+DEFAULT_CASES = ("gpt", "tied-layernorm", "groupnorm-unet", "two-towers")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=[] if n in DEFAULT_CASES else [pytest.mark.slow]) for n in CASES],
+)
 def test_a_fake_twins_profile_under_autocast_has_the_real_steps_bytes(name):
     torch.manual_seed(0)
     model, args, loss = CASES[name]()
@@ -174,7 +181,7 @@ def test_a_fake_model_takes_no_device_argument():
 
 
 def _hf_marks(family: str) -> list[pytest.MarkDecorator]:
-    return [] if family in ("llama", "t5") else [pytest.mark.slow]
+    return [] if family == "llama" else [pytest.mark.slow]
 
 
 @pytest.mark.parametrize(

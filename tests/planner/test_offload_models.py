@@ -170,6 +170,7 @@ def test_span_input_offload_is_offered_where_only_the_span_holds_the_input():
 # -- families predicted exactly ---------------------------------------------------------------
 
 
+@pytest.mark.slow  # 6 s
 def test_every_per_block_offload_plan_of_a_vit_is_predicted_exactly():
     _, res = _sweep("vit", lambda p: _per_block(3, ["keep", "recompute", "offload"]))
     assert [r for r in res if r[2]] == []
@@ -187,6 +188,7 @@ def test_vit_offload_and_span_layouts_are_predicted_exactly():
     assert [r for r in res if r[2]] == []
 
 
+@pytest.mark.slow  # 5 s
 def test_mobilenet_per_block_offload_plans_in_train_mode_are_predicted_exactly():
     _, res = _sweep("mobilenet", lambda p: _per_block(3, ["keep", "recompute", "offload"]))
     assert [r for r in res if r[2]] == []

@@ -256,6 +256,7 @@ def test_the_backward_of_the_layers_before_the_blocks_is_a_term_of_its_own():
         remat.plan(prof, prof.static_step_bytes + prof.post)
 
 
+@pytest.mark.slow  # 5.6 s
 def test_resnet_meets_a_budget_its_stems_scratch_refused_at_the_allocator():
     # The stem (at twice the first stage's resolution) holds the largest convolution
     # scratch, which was added to the first block's backward term: budgets between the

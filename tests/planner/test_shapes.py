@@ -130,6 +130,7 @@ def test_remove_puts_the_model_back():
     model(torch.randn(2, 80, 16)).backward()  # no hook: any size runs
 
 
+@pytest.mark.slow  # 7 s
 def test_sizes_where_the_fit_misses_are_profiled_when_they_come(caplog):
     torch.manual_seed(0)
     model = ResNet()

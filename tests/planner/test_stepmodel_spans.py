@@ -105,6 +105,7 @@ def test_plan_apply_with_split_spans_is_predicted_exactly_and_keeps_gradients():
             assert torch.equal(a.grad, b.grad), (ds, spans, n)
 
 
+@pytest.mark.slow  # 6.5 s
 def test_every_span_layout_of_a_small_chain_is_measured_as_predicted():
     # the brute-force grid with spans: every layout of 3 blocks (each block alone under keep,
     # recompute, selective or split, or in a span with any inner), applied by Plan.apply,
