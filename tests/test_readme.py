@@ -186,8 +186,8 @@ def test_readme_shell_samples_are_what_the_commands_print(monkeypatch, tmp_path)
 @pytest.mark.slow
 def test_readme_bench_sample_is_what_remat_bench_prints_but_for_the_times(tmp_path):
     """A timed run (about 100 s): the bytes and the gradient differences are the sample's
-    exactly (memory is deterministic), the times are this run's; the lines around the
-    table have the sample's form."""
+    exactly (memory is deterministic) for the fixed strategies, the auto rows within their
+    budgets; the times are this run's; the lines around the table have the sample's form."""
     (line, argv, sample) = next(s for s in shell_samples() if s[1][0] == "bench")
     done = subprocess.run(
         [sys.executable, "-m", "remat", *argv, "--no-save", "--no-progress"],
@@ -209,7 +209,16 @@ def test_readme_bench_sample_is_what_remat_bench_prints_but_for_the_times(tmp_pa
                 out[cells[0]] = cells[:7] + cells[-1:]
         return out
 
-    assert memory_columns(sample) == memory_columns(actual)
+    # an auto-N% plan is chosen by prices (the machine's calibration): among plans of nearly
+    # equal cost another machine (or a fresh calibration) may pick another one, whose bytes
+    # differ; the fixed strategies' bytes are the sample's on every machine
+    want, got = memory_columns(sample), memory_columns(actual)
+    assert want.keys() == got.keys()
+    fixed = [k for k in want if not k.startswith("auto-")]
+    assert {k: want[k] for k in fixed} == {k: got[k] for k in fixed}
+    for k in set(want) - set(fixed):  # every auto row within its share of the activations
+        share = int(k.removeprefix("auto-").removesuffix("%")) / 100
+        assert float(got[k][6]) <= share + 0.01, (k, got[k])  # act x, to two places
     head = next(s for s in sample if s.startswith("strategy "))
     assert head in actual
     want = [s for s in sample if s.startswith("Recommendation")]
