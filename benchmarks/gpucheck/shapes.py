@@ -25,6 +25,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -64,17 +65,40 @@ def save_calibration(check: Check) -> Path:
     return calibration.save(calibration.SHIPPED / f"{slug(name)}.json", check.device, dtypes=DTYPES)
 
 
+def _profile_from_shapes(
+    check: Check, model: torch.nn.Module, x: torch.Tensor, opt: torch.optim.Optimizer,
+    amp: bool, saved: Path,
+) -> remat.Profile:
+    """The model's profile from shapes for the device: a meta copy, or under autocast
+    (``amp``, inside the caller's region) a fake one, which autocast casts."""
+    if amp:
+        fake, fake_opt, mode = fake_twin(model, opt)
+        (fake_x,), _ = on_fake(mode, ((x,), {}))
+        return measure.profile_loop(fake, Inputs(fake_x), Loop(fake_opt), calibration=str(saved))
+    meta_model, (meta_x,), _, meta_opt = twin(model, (x,), {}, opt)
+    return remat.profile(
+        meta_model, meta_x, optimizer=meta_opt, device=check.device.type, calibration=str(saved)
+    )
+
+
 def shapes_row(check: Check, precision: str, saved: Path) -> dict[str, Any]:
-    """One model's plan from shapes: predicted against the meter and the allocator."""
-    cfg, dtype = check.sizes.gpt, SHAPE_DTYPES[precision]
+    """One model's plan from shapes (``precision`` a key of :data:`SHAPE_DTYPES`, or
+    ``"amp"``: float32 under bfloat16 autocast), predicted against the meter and the
+    allocator."""
+    cfg, amp = check.sizes.gpt, precision == "amp"
+    dtype = torch.float32 if amp else SHAPE_DTYPES[precision]
+
+    def region() -> contextlib.AbstractContextManager[object]:
+        if amp:
+            return torch.autocast(check.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
     model = build(cfg, check.device).to(dtype)
     x = example_input(cfg, check.device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    meta_model, (meta_x,), _, meta_opt = twin(model, (x,), {}, opt)
-    shaped = remat.profile(
-        meta_model, meta_x, optimizer=meta_opt, device=check.device.type, calibration=str(saved)
-    )
-    on_device = remat.profile(model, x, optimizer=opt, timer="flops")
+    with region():
+        shaped = _profile_from_shapes(check, model, x, opt, amp, saved)
+        on_device = remat.profile(model, x, optimizer=opt, timer="flops")
     del model, x, opt
     budget = (
         shaped.unchecked_peak_bytes + shaped.peak(["recompute"] * len(shaped.blocks)).bytes
@@ -89,68 +113,17 @@ def shapes_row(check: Check, precision: str, saved: Path) -> dict[str, Any]:
         plan.apply(model)
         for _ in range(2):
             opt.zero_grad(set_to_none=True)
-            model(x).backward()
-            opt.step()
-    opt.zero_grad(set_to_none=True)
-    opt.state.clear()  # measure_peak starts from no optimizer state, as the steps above did
-    tracked = remat.measure_peak(model, x, optimizer=opt)
-    release(check.device)
-    return {
-        "precision": precision,
-        "decisions": decisions,
-        "budget": budget,
-        "predicted": plan.predicted_peak_bytes,
-        "on_device_predicted": on_device.peak(decisions).bytes,
-        "on_device_scratch": on_device.scratch_bytes,
-        "tracker": tracked,
-        "allocated": w.allocated,
-        "reserved": w.reserved,
-    }
-
-
-def amp_row(check: Check, saved: Path) -> dict[str, Any]:
-    """The float32 GPT under bfloat16 autocast planned from a fake copy: predicted against
-    the meter and the allocator (item 3 of the module docstring)."""
-    cfg = check.sizes.gpt
-    model = build(cfg, check.device)
-    x = example_input(cfg, check.device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    def region() -> torch.autocast:
-        return torch.autocast(check.device.type, dtype=torch.bfloat16)
-
-    fake, fake_opt, mode = fake_twin(model, opt)
-    (fake_x,), _ = on_fake(mode, ((x,), {}))
-    with region():
-        shaped = measure.profile_loop(
-            fake, Inputs(fake_x), Loop(fake_opt), calibration=str(saved)
-        )
-        on_device = remat.profile(model, x, optimizer=opt, timer="flops")
-    del model, x, opt, fake, fake_x, fake_opt
-    budget = (
-        shaped.unchecked_peak_bytes + shaped.peak(["recompute"] * len(shaped.blocks)).bytes
-    ) // 2
-    plan = remat.plan(shaped, budget, spans=False)
-    decisions = [getattr(d, "value", d) for d in (plan.decisions[b.name] for b in shaped.blocks)]
-    with allocator_window(check.device) as w:
-        torch.manual_seed(0)
-        model = build(cfg, check.device)
-        x = example_input(cfg, check.device)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        plan.apply(model)
-        for _ in range(2):
-            opt.zero_grad(set_to_none=True)
-            with region():
+            with region():  # torch's recipe: forward in the region, backward after it
                 loss = model(x)
             loss.backward()
             opt.step()
     opt.zero_grad(set_to_none=True)
-    opt.state.clear()
+    opt.state.clear()  # measure_peak starts from no optimizer state, as the steps above did
     with region():
         tracked = remat.measure_peak(model, x, optimizer=opt)
     release(check.device)
     return {
-        "precision": "amp",
+        "precision": precision,
         "decisions": decisions,
         "budget": budget,
         "predicted": plan.predicted_peak_bytes,
@@ -173,4 +146,4 @@ def part_shapes(check: Check, found: dict[str, Any], deadline: Deadline) -> None
             break
         rows.append(shapes_row(check, precision, saved))
     if not deadline.passed():
-        rows.append(amp_row(check, saved))
+        rows.append(shapes_row(check, "amp", saved))
