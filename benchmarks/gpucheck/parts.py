@@ -217,6 +217,7 @@ def part_bench(check: Check, found: dict[str, Any], deadline: Deadline) -> None:
     found["table"] = report.format_table(result)
     found["how"] = report.how_measured(result)
     found["recommendation"] = report.recommendation(result)
+    found["plans_vs_uniform"] = report.against_uniform(result)
     found["noise"] = result.noise.describe()
     found["data"] = report.to_json(
         result, environment=environment(check.device, cfg, n_params), skipped=[]

@@ -200,6 +200,8 @@ def _render_bench(found: dict[str, Any]) -> list[str]:
     if "table" in found:
         lines += ["```text", found["table"], "```", "", found["how"], ""]
         lines += ["```text", found["recommendation"], "```", ""]  # one line per memory level
+        if found.get("plans_vs_uniform"):  # each auto row against the uniform rows' hull
+            lines += ["```text", found["plans_vs_uniform"], "```", ""]
         lines.append(found["noise"])
     elif "last_done" in found:
         lines.append(f"Stopped after {found['last_done']}.")

@@ -98,3 +98,32 @@ def test_recommendation_names_each_strategy_once_when_levels_tie():
         "  0.24x the activations: full, 1.31x the step time (as fast: torch-full)",
         "  1.00x the activations: none (no checkpointing), with memory to spare",
     ]
+
+
+def test_each_plan_is_said_against_the_hull_of_the_uniform_rows():
+    result = make_result(
+        {**QUIET, "auto-30%": [1.40, 1.42, 1.41, 1.40, 1.41]}, {**ACT, "auto-30%": 300}
+    )
+    text = report.against_uniform(result)
+    lines = text.splitlines()
+    assert lines[0].startswith("Plans against the uniform strategies")
+    # auto-50% at 0.48 (1.05x) lies below the full - every-2nd line there (1.15)
+    assert lines[1].startswith("  auto-50%: 0.48x the activations at 1.05x (1.05-1.05)")
+    assert "the hull there 1.15x (full to every-2nd): below it" in lines[1]
+    assert "fastest uniform within its memory: full, 1.30x" in lines[1]
+    # auto-30% at 0.30 and 1.41x: above the line (1.27x there)
+    assert "auto-30%" in lines[2] and "ABOVE it" in lines[2]
+    data = report.to_json(result, environment={}, skipped=[])["plans_vs_uniform"]
+    assert data["text"] == text
+    assert [(r["strategy"], r["verdict"]) for r in data["rows"]] == [
+        ("auto-50%", "below"),
+        ("auto-30%", "above"),
+    ]
+
+
+def test_no_plan_rows_means_no_hull_lines():
+    result = make_result(
+        {k: v for k, v in QUIET.items() if k != "auto-50%"},
+        {k: v for k, v in ACT.items() if k != "auto-50%"},
+    )
+    assert report.against_uniform(result) == ""

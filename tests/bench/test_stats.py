@@ -93,3 +93,48 @@ def test_a_tie_is_named_only_when_within_the_chosen_rows_spread():
         stats.Choice(1, (3,)),  # full, as fast as auto-30%; not torch-full
         stats.Choice(0),
     ]
+
+
+def _pt(name, memory, time):
+    return stats.HullPoint(name, memory, time)
+
+
+UNIFORM = [_pt("none", 1.0, 1.0), _pt("full", 0.24, 1.30), _pt("every-2nd", 0.55, 1.10),
+           _pt("selective", 0.63, 1.25), _pt("torch-full", 0.24, 1.33)]
+
+
+def test_lower_hull_drops_points_above_the_line_of_their_neighbours():
+    assert [p.name for p in stats.lower_hull(UNIFORM)] == ["full", "every-2nd", "none"]
+    # selective below the every-2nd-none line joins the hull
+    low = [*UNIFORM[:3], _pt("selective", 0.63, 1.05)]
+    assert [p.name for p in stats.lower_hull(low)] == ["full", "every-2nd", "selective", "none"]
+
+
+@pytest.mark.parametrize(
+    ("memory", "low", "high", "verdict", "between", "hull"),
+    [
+        # the line full (0.24, 1.30) - every-2nd (0.55, 1.10) at 0.48: 1.145
+        (0.48, 1.16, 1.25, "above", ("full", "every-2nd"), 1.30 - 0.2 * 0.24 / 0.31),
+        (0.48, 1.10, 1.20, "on", ("full", "every-2nd"), 1.30 - 0.2 * 0.24 / 0.31),
+        (0.48, 1.02, 1.08, "below", ("full", "every-2nd"), 1.30 - 0.2 * 0.24 / 0.31),
+        (0.55, 1.11, 1.12, "above", ("every-2nd",), 1.10),  # at a hull point
+        (0.20, 1.40, 1.50, "alone", (), None),  # less memory than every uniform row
+    ],
+)
+def test_a_plan_is_read_against_the_hull_at_its_memory(memory, low, high, verdict, between, hull):
+    r = stats.against_hull(_pt("auto", memory, (low + high) / 2), low, high, UNIFORM)
+    assert r.verdict == verdict and r.between == between
+    assert (r.time is None) if hull is None else r.time == pytest.approx(hull)
+
+
+def test_a_faster_uniform_row_with_less_memory_sets_the_hull_where_it_is_lower():
+    # every-2nd at 0.55 is faster than the line from it to a slow "none" at 1.0
+    uni = [_pt("full", 0.24, 1.30), _pt("every-2nd", 0.55, 1.05), _pt("none", 1.0, 1.10)]
+    r = stats.against_hull(_pt("auto-70%", 0.70, 1.08), 1.07, 1.09, uni)
+    assert r.time == pytest.approx(1.05) and r.between == ("every-2nd",)
+    assert r.verdict == "above" and r.fastest.name == "every-2nd"
+
+
+def test_the_fastest_uniform_row_is_taken_among_those_within_the_plans_memory():
+    r = stats.against_hull(_pt("auto-30%", 0.30, 1.2), 1.19, 1.21, UNIFORM)
+    assert r.fastest.name == "full"  # not torch-full (slower), not every-2nd (more memory)

@@ -9,6 +9,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from . import stats
 from .runner import Result, Row
 
 TIE_LEGEND = (
@@ -100,6 +101,79 @@ def recommendation(result: Result) -> str:
     return "\n".join(lines)
 
 
+def is_plan(strategy: str) -> bool:
+    """Whether a row is a planned strategy (``auto-N%``, ``auto-floor-N%``): the others apply
+    one rule to every block (or none), as a user would by hand."""
+    return strategy.startswith("auto")
+
+
+def hull_readings(result: Result) -> list[tuple[Row, stats.HullReading]]:
+    """Each planned row read against the lower hull of the uniform rows of the same run
+    (activation ratio against time ratio; :func:`remat.bench.stats.against_hull`)."""
+    uniform = [
+        stats.HullPoint(r.strategy, r.activation_ratio, r.time_ratio)
+        for r in result.rows
+        if not is_plan(r.strategy)
+    ]
+    return [
+        (
+            r,
+            stats.against_hull(
+                stats.HullPoint(r.strategy, r.activation_ratio, r.time_ratio),
+                r.time_ratio_low,
+                r.time_ratio_high,
+                uniform,
+            ),
+        )
+        for r in result.rows
+        if is_plan(r.strategy)
+    ]
+
+
+_VERDICTS = {
+    "below": "below it (faster beyond the plan's spread)",
+    "on": "on it (within the plan's spread)",
+    "above": "ABOVE it (slower beyond the plan's spread: a uniform strategy or a mix of two beats it)",
+}
+
+
+def against_uniform(result: Result) -> str:
+    """One line per planned row: the hull of the uniform rows at its memory, where it lies
+    against that hull, and the fastest uniform row within its memory; ``""`` without
+    planned rows.
+
+    Example (the shape of the text)::
+
+        Plans against the uniform strategies (the lower hull of their act x / time x, this run):
+          auto-50%: 0.48x the activations at 1.22x (1.16-1.25); the hull there 1.17x
+            (full to every-2nd): on it (within the plan's spread); fastest uniform within
+            its memory: full, 1.24x
+    """
+    readings = hull_readings(result)
+    if not readings:
+        return ""
+    lines = [
+        "Plans against the uniform strategies (the lower hull of their act x / time x, this run):"
+    ]
+    for r, h in readings:
+        head = (
+            f"  {r.strategy}: {r.activation_ratio:.2f}x the activations at {r.time_ratio:.2f}x "
+            f"({r.time_ratio_low:.2f}-{r.time_ratio_high:.2f}); "
+        )
+        if h.time is None:
+            where = "less memory than every uniform strategy (none reaches it)"
+        else:
+            at = " to ".join(h.between)
+            where = f"the hull there {h.time:.2f}x ({at}): {_VERDICTS[h.verdict]}"
+        fastest = (
+            f"; fastest uniform within its memory: {h.fastest.name}, {h.fastest.time:.2f}x"
+            if h.fastest is not None
+            else ""
+        )
+        lines.append(head + where + fastest)
+    return "\n".join(lines)
+
+
 def to_json(
     result: Result,
     *,
@@ -128,6 +202,19 @@ def to_json(
             "fastest_per_memory": [r.strategy for r in result.recommended()],
         },
         "noise": {**dataclasses.asdict(result.noise), "text": result.noise.describe()},
+        "plans_vs_uniform": {
+            "text": against_uniform(result),
+            "rows": [
+                {
+                    "strategy": r.strategy,
+                    "hull_time_ratio": h.time,
+                    "between": list(h.between),
+                    "verdict": h.verdict,
+                    "fastest_uniform": None if h.fastest is None else h.fastest.name,
+                }
+                for r, h in hull_readings(result)
+            ],
+        },
         "tie_legend": TIE_LEGEND,
         **(extra or {}),
     }

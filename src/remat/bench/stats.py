@@ -230,3 +230,105 @@ def recommend(memory: Sequence[int], spreads: Sequence[Spread]) -> list[Choice]:
         ties = tuple(i for i in rows if i != row and spreads[i].overlaps(spreads[row]))
         out.append(Choice(row, ties))
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class HullPoint:
+    """A measured strategy as the hull reads it: its activation ratio and time ratio."""
+
+    name: str
+    memory: float
+    time: float
+
+
+def lower_hull(points: Sequence[HullPoint]) -> list[HullPoint]:
+    """The lower convex hull of ``points`` (time against memory), least memory first.
+
+    Between two hull points the line joining them is what the uniform strategies reach by
+    the usual reading of a trade-off curve (a plan that lies above it is beaten by a mix of
+    the two ends); points above the hull are dropped.
+
+    Example:
+        >>> pts = [HullPoint("none", 1.0, 1.0), HullPoint("full", 0.24, 1.3),
+        ...        HullPoint("every-2nd", 0.55, 1.1), HullPoint("selective", 0.63, 1.25)]
+        >>> [p.name for p in lower_hull(pts)]
+        ['full', 'every-2nd', 'none']
+    """
+    pts = sorted(points, key=lambda p: (p.memory, p.time))
+    hull: list[HullPoint] = []
+    for p in pts:
+        if hull and p.memory == hull[-1].memory:
+            continue  # the faster of equal memory came first
+        while len(hull) >= 2 and _cross(hull[-2], hull[-1], p) <= 0:
+            hull.pop()
+        hull.append(p)
+    return hull
+
+
+def _cross(o: HullPoint, a: HullPoint, b: HullPoint) -> float:
+    return (a.memory - o.memory) * (b.time - o.time) - (a.time - o.time) * (b.memory - o.memory)
+
+
+@dataclasses.dataclass(frozen=True)
+class HullReading:
+    """Where a plan lies against the uniform strategies' hull (:func:`against_hull`).
+
+    Attributes:
+        time: the hull's time ratio at the plan's memory; ``None`` when the plan uses less
+            memory than every uniform strategy (no uniform strategy reaches it).
+        between: the hull points the value was read between (one name at a point).
+        verdict: ``"below"`` (faster than the hull beyond the plan's spread), ``"on"``
+            (the hull's time within the plan's spread), ``"above"`` (slower beyond it) or
+            ``"alone"`` (less memory than any uniform strategy).
+        fastest: the fastest uniform strategy that uses no more activation memory than the
+            plan (what a user would pick by hand under the same budget), or ``None``.
+    """
+
+    time: float | None
+    between: tuple[str, ...]
+    verdict: str
+    fastest: HullPoint | None
+
+
+def against_hull(
+    plan: HullPoint, spread_low: float, spread_high: float, uniform: Sequence[HullPoint]
+) -> HullReading:
+    """Read ``plan`` (with its time ratio's spread) against the lower hull of ``uniform``.
+
+    The hull's value at the plan's memory is the line between the two hull points around
+    it, or a uniform strategy with less memory and less time where one is (it fits the
+    same budget).
+
+    Example:
+        >>> uni = [HullPoint("none", 1.0, 1.0), HullPoint("full", 0.24, 1.3),
+        ...        HullPoint("every-2nd", 0.55, 1.1)]
+        >>> r = against_hull(HullPoint("auto-70%", 0.70, 1.08), 1.04, 1.15, uni)
+        >>> round(r.time, 3), r.between, r.verdict, r.fastest.name
+        (1.067, ('every-2nd', 'none'), 'on', 'every-2nd')
+        >>> against_hull(HullPoint("auto-50%", 0.48, 1.3), 1.28, 1.32, uni).verdict
+        'above'
+    """
+    within = [u for u in uniform if u.memory <= plan.memory + 1e-9]
+    fastest = min(within, key=lambda u: (u.time, u.memory)) if within else None
+    hull = lower_hull(uniform)
+    if not hull or plan.memory < hull[0].memory - 1e-9:
+        return HullReading(None, (), "alone", fastest)
+    between: tuple[str, ...] = (hull[-1].name,)
+    value = hull[-1].time
+    at = [h for h in hull if abs(h.memory - plan.memory) <= 1e-9]
+    for a, b in [] if at else zip(hull, hull[1:]):
+        if a.memory - 1e-9 <= plan.memory <= b.memory + 1e-9:
+            t = (plan.memory - a.memory) / (b.memory - a.memory)
+            value, between = a.time + t * (b.time - a.time), (a.name, b.name)
+            break
+    if at:
+        value, between = at[0].time, (at[0].name,)
+    if fastest is not None and fastest.time < value:
+        value, between = fastest.time, (fastest.name,)
+    if spread_high < value:
+        verdict = "below"
+    elif spread_low > value:
+        verdict = "above"
+    else:
+        verdict = "on"
+    return HullReading(value, between, verdict, fastest)

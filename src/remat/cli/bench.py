@@ -410,6 +410,9 @@ def _main(args: argparse.Namespace) -> int:
     print(result.noise.describe())
     print()
     print(report.recommendation(result))
+    versus = report.against_uniform(result)
+    if versus:
+        print(versus)
     w = max(len(s.name) for s in strategies) + 2
     print("\n" + "\n".join(f"  {s.name:<{w}}{s.description}" for s in strategies))
     _save(result, env, skipped, args, json_path, plot_path, cfg, device, started)
