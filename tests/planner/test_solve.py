@@ -244,3 +244,53 @@ def test_timed_profiles_of_identical_blocks_give_identical_plans():
         p = remat.plan(prof, budget)
         runs.append((budget, p.decisions))
     assert runs[1] == runs[0] and runs[2] == runs[0], runs
+
+
+def _uniform_rivals(prof, budget_bytes):
+    """(cost, decisions) of every uniform plan within the budget, at the allocator's peak."""
+    from remat.planner.solve import uniform_plans
+    from remat.planner.stepmodel import with_scratch
+
+    alloc = with_scratch(prof)
+    return [
+        (predicted_cost(prof.blocks, ds), ds)
+        for ds in uniform_plans(prof)
+        if alloc.peak(ds).bytes <= budget_bytes
+    ]
+
+
+@pytest.mark.parametrize("name", ["gpt", "mlp"])
+def test_no_uniform_plan_within_the_budget_costs_less_than_the_plan(name):
+    model, x = make_model(name)
+    prof = remat.profile(model, x, optimizer=torch.optim.AdamW(model.parameters()), timer="flops")
+    lo, hi = prof.smallest_budget_bytes, prof.unchecked_peak_bytes + prof.scratch_bytes
+    for k in range(9):
+        budget = lo + (hi - lo) * k // 8
+        p = remat.plan(prof, budget)
+        rivals = _uniform_rivals(prof, budget)
+        assert rivals or k == 0  # from the floor up, some uniform plan fits (all keep at hi)
+        for cost, ds in rivals:
+            assert p.predicted_overhead_s <= cost * (1 + 1e-9) + 1e-30, (budget, ds)
+
+
+def test_a_plan_the_solver_returns_is_replaced_by_a_cheaper_uniform_one(monkeypatch):
+    import remat.planner.solve as solve_mod
+
+    model, x = make_model("mlp")
+    prof = remat.profile(model, x, timer="flops")
+    n = len(prof.blocks)
+    budget = prof.unchecked_peak_bytes + prof.scratch_bytes  # everything kept fits
+    # a solver that returns a dominated plan (every block recomputed) where keep-all fits
+    monkeypatch.setattr(solve_mod, "solve", lambda *a, **k: (["recompute"] * n, []))
+    p = remat.plan(prof, budget, spans=False)
+    assert set(p.decisions.values()) == {"keep"} and p.predicted_overhead_s == 0.0
+    # where every second block recomputed fits: the cheapest uniform plan that fits
+    every2 = ["recompute" if i % 2 == 0 else "keep" for i in range(n)]
+    from remat.planner.stepmodel import with_scratch
+
+    low = with_scratch(prof).peak(every2).bytes
+    assert low < budget
+    p = remat.plan(prof, low, spans=False)
+    cost, ds = min(_uniform_rivals(prof, low), key=lambda r: r[0])
+    assert list(p.decisions.values()) == ds and p.predicted_overhead_s == cost
+    assert "keep" in ds and "recompute" in ds  # not the solver's every block recomputed

@@ -11,6 +11,12 @@ step model, :mod:`remat.planner.stepmodel`, ``<= budget``):
    depends on bytes and structure only, so near-ties from timing noise always resolve
    the same way.
 
+Before a plan is returned its predicted cost is compared with every uniform plan a user
+could pick by hand (:func:`uniform_plans`: none, every block or every ``k``-th block under
+one decision) that meets the budget under the step model's exact peak: a cheaper one is
+returned instead (:func:`cheaper_uniform`; the solvers search those plans too, so this acts
+only where their terms are a bound).
+
 With spans (the default) the chain dynamic program (:mod:`remat.planner.chain`) does
 both; without, the per-block solvers (:mod:`remat.planner.perblock`: HiGHS or a dynamic
 program). The floor (the smallest reachable peak), the plan's table and ``PlanError``'s
@@ -258,6 +264,53 @@ def floor(
     return ds, spans, low
 
 
+def uniform_plans(profile: ProfileData) -> list[list[Decision]]:
+    """The plans a user picks by hand, simplest first: no checkpoint; then for each measured
+    decision, every block under it and every ``k``-th block (the first of each ``k``, ``k``
+    from 2 to the number of blocks). A block that cannot take a decision (one that changes
+    its input in place) keeps."""
+    n = len(profile.blocks)
+    out = [[Decision.KEEP] * n]
+    for d in profile.decisions:
+        if d is Decision.KEEP:
+            continue
+        for k in range(1, n + 1):
+            out.append(
+                [
+                    d if i % k == 0 and d in b.cost else Decision.KEEP
+                    for i, b in enumerate(profile.blocks)
+                ]
+            )
+    return out
+
+
+def cheaper_uniform(alloc: ProfileData, budget: int, cost: float) -> list[Decision] | None:
+    """The cheapest uniform plan (:func:`uniform_plans`) within ``budget`` under the
+    allocator's terms (``alloc``: :func:`~remat.planner.stepmodel.with_scratch`) that costs
+    less than ``cost`` (beyond float rounding), or ``None``: a plan the solvers return is
+    never beaten, in predicted cost, by one a user could pick by hand. The solvers search
+    every uniform plan too, so this only acts where their terms (a bound, under spans or an
+    autocast region's end) are looser than the step model's exact peak.
+
+    Example:
+        >>> import torch, remat
+        >>> from remat.planner.stepmodel import with_scratch
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+        >>> prof = remat.profile(model, torch.randn(8, 16), timer="flops")
+        >>> cheaper_uniform(with_scratch(prof), 10**9, cost=0.0) is None  # nothing costs less
+        True
+    """
+    best: tuple[float, list[Decision]] | None = None
+    below = cost - 1e-9 * max(abs(cost), 1e-30)  # float sums in another order are equal
+    for ds in uniform_plans(alloc):
+        c = predicted_cost(alloc.blocks, ds)
+        if c >= below or (best is not None and c >= best[0]):
+            continue
+        if step_peak(alloc, ds).bytes <= budget:
+            best = (c, ds)
+    return None if best is None else best[1]
+
+
 def _solver(name: str) -> str:
     if name not in ("auto", "milp", "dp"):
         raise ValueError(f"remat.plan: solver must be 'auto', 'milp' or 'dp', got {name!r}.")
@@ -419,6 +472,9 @@ def plan(
     if found is None:  # cannot happen when the floor fits; kept as a guard
         raise PlanError(_miss(profile, budget_bytes, low_ds, low_spans, low, checked_all))
     decisions, chosen = found
+    rival = cheaper_uniform(alloc, budget_bytes, predicted_cost(alloc.blocks, *found))
+    if rival is not None:  # the solvers' terms bound the step's where a uniform plan is exact
+        decisions, chosen = rival, []
     peak = step_peak(profile, decisions, chosen)
     scratch = step_peak(alloc, decisions, chosen).bytes - peak.bytes
     blocks = profile.blocks
