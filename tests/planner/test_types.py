@@ -1,10 +1,12 @@
 """The planner's data (remat.Plan, remat.Profile): JSON round trips that keep every field,
-unknown fields refused, and the table of a plan read back.
+unknown fields refused, the table of a plan read back, and a profile an earlier version
+wrote planned as it was then.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import re
 
 import pytest
@@ -13,6 +15,7 @@ import torch
 import remat
 from remat import PlanError
 from remat.planner.solve import Plan
+from remat.planner.stepmodel import allocator_peak
 from remat.planner.types import BlockCosts, Fit, Phase, ProfileData, Window, WindowKind
 from tests.support.plans import wide_mlp
 
@@ -177,3 +180,61 @@ def test_plan_load_names_the_file_it_cannot_read_as_a_plan(text, match, tmp_path
     path.write_text(text)
     with pytest.raises(PlanError, match=f"Plan.load\\('{re.escape(str(path))}'\\): {match}"):
         remat.Plan.load(path)
+
+
+# ---------------------------------------------------------------- profiles written before
+
+
+#: a profile as remat wrote it before its terms were grouped (29 flat fields): RotaryLM(depth=2)
+#: of tests.support.families, AdamW, timer="flops", on CPU; ``pre_scratch`` (256 measured),
+#: ``post_scratch`` (0) and ``shared_inputs`` (none) set by hand so that no two of the terms
+#: grouped since share a value
+FLAT_PROFILE = pathlib.Path(__file__).parent / "data" / "flat_profile.json"
+
+#: what that version's step model answered for it: the step peak of every plan without
+#: spans (tensors, and with the scratch inside operators: +256 B, the largest), the span of
+#: both blocks under each decision, and its plans at a few budgets
+FLAT_PEAKS = {
+    "keep,keep": (4179060, 4179316),
+    "keep,recompute": (4281716, 4281972),
+    "keep,selective": (4740468, 4740724),
+    "keep,split": (4277620, 4277876),
+    "recompute,keep": (2718708, 2718964),
+    "recompute,recompute": (2729332, 2729588),
+    "recompute,selective": (3188084, 3188340),
+    "recompute,split": (2725236, 2725492),
+    "selective,keep": (3843188, 3843444),
+    "selective,recompute": (3908980, 3909236),
+    "selective,selective": (4367732, 4367988),
+    "selective,split": (3904884, 3905140),
+    "split,keep": (2714612, 2714868),
+    "split,recompute": (2729332, 2729588),
+    "split,selective": (3188084, 3188340),
+    "split,split": (2725236, 2725492),
+}  # fmt: skip
+FLAT_SPAN_PEAKS = {"keep": 4281716, "recompute": 2733428, "selective": 4371828, "split": 2729332}
+FLAT_PLANS = {  # budget: decisions, predicted peak, scratch, budget bytes, where
+    "65%": (["recompute", "keep"], 2718708, 256, 2842481, "backward of 'blocks.0'"),
+    "75%": (["recompute", "keep"], 2718708, 256, 3224434, "backward of 'blocks.0'"),
+    "85%": (["recompute", "keep"], 2718708, 256, 3606386, "backward of 'blocks.0'"),
+    "100%": (["keep", "keep"], 4179060, 256, 4179316, "backward of 'blocks.1'"),
+    2714868: (["split", "keep"], 2714612, 256, 2714868, "backward of 'blocks.0'"),
+}  # fmt: skip
+
+
+def test_a_profile_written_in_the_flat_form_plans_as_it_did():
+    text = FLAT_PROFILE.read_text()
+    prof = remat.Profile.from_json(text)
+    assert remat.Profile.from_json(prof.to_json()) == prof
+    for key, (tensors, allocator) in FLAT_PEAKS.items():
+        ds = key.split(",")
+        assert (prof.peak(ds).bytes, allocator_peak(prof, ds).bytes) == (tensors, allocator), key
+    for d, peak in FLAT_SPAN_PEAKS.items():
+        assert prof.peak([d, d], [(0, 1)]).bytes == peak, d
+    ends = (prof.unchecked_peak_bytes, prof.floor_bytes, prof.smallest_budget_bytes)
+    assert ends == (4179060, 2714612, 2714868)
+    for budget, (ds, peak, scratch, budget_bytes, at) in FLAT_PLANS.items():
+        p = remat.plan(prof, budget)
+        got = (list(p.decisions.values()), p.predicted_peak_bytes, p.scratch_bytes)
+        assert got == (ds, peak, scratch), budget
+        assert (p.budget_bytes, p.peak_at, p.spans) == (budget_bytes, at, []), budget
