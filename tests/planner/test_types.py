@@ -6,6 +6,7 @@ wrote planned as it was then.
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 import re
 
@@ -14,9 +15,20 @@ import torch
 
 import remat
 from remat import PlanError
+from remat.planner.shapefit import fits
 from remat.planner.solve import Plan
 from remat.planner.stepmodel import allocator_peak
-from remat.planner.types import BlockCosts, Fit, Phase, ProfileData, Window, WindowKind
+from remat.planner.types import (
+    BlockCosts,
+    Fit,
+    OptimizerTerms,
+    Phase,
+    ProfileData,
+    ScratchTerms,
+    SharedTerms,
+    Window,
+    WindowKind,
+)
 from tests.support.plans import wide_mlp
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -123,10 +135,14 @@ def test_window_takes_a_block_exactly_when_it_is_a_blocks(kind, block):
         Window(kind, block)
 
 
-@pytest.mark.parametrize("cls", [ProfileData, BlockCosts])
+GROUPS = [OptimizerTerms, ScratchTerms, SharedTerms]
+
+
+@pytest.mark.parametrize("cls", [ProfileData, BlockCosts, *GROUPS])
 def test_every_numeric_field_says_what_the_shape_fit_does_with_it(cls):
     """An int field (bytes) is fitted exactly or, scratch, bounded; a float field is a time;
     the fields the fit reads are those ranks agree over by max or min."""
+    scratch = cls is ScratchTerms  # every number of it is scratch
     for f in dataclasses.fields(cls):
         number = re.fullmatch(r"(dict\[\w+, )?(int|float)\]?", str(f.type))
         fit = f.metadata.get("fit")
@@ -136,7 +152,17 @@ def test_every_numeric_field_says_what_the_shape_fit_does_with_it(cls):
         want = {Fit.TIME} if number.group(2) == "float" else {Fit.EXACT, Fit.BOUND}
         assert fit in want, f"{cls.__name__}.{f.name}: fit {fit}"
         assert f.metadata.get("agree") in ("max", "min"), f.name
-        assert (fit is Fit.BOUND) == ("scratch" in f.name), f.name
+        assert (fit is Fit.BOUND) == (scratch or "scratch" in f.name), f.name
+
+
+def test_the_groups_of_a_profile_are_its_fields_with_group_metadata_named_apart_from_a_blocks():
+    groups = {f.type: f.name for f in dataclasses.fields(ProfileData) if f.metadata.get("group")}
+    assert groups == {"OptimizerTerms": "optim", "ScratchTerms": "scratch", "SharedTerms": "shared"}
+    # a block named as a group ("shared") names no term of the shape fit twice
+    def numbers(cls):
+        return {f.name for f in dataclasses.fields(cls) if "fit" in f.metadata}
+
+    assert numbers(ScratchTerms) and not any(numbers(g) & numbers(BlockCosts) for g in GROUPS)
 
 
 # ---------------------------------------------------------------- plan files on disk
@@ -220,6 +246,29 @@ FLAT_PLANS = {  # budget: decisions, predicted peak, scratch, budget bytes, wher
     "100%": (["keep", "keep"], 4179060, 256, 4179316, "backward of 'blocks.1'"),
     2714868: (["split", "keep"], 2714612, 256, 2714868, "backward of 'blocks.0'"),
 }  # fmt: skip
+
+
+def test_a_profile_written_in_the_flat_form_reads_into_its_groups():
+    flat = json.loads(FLAT_PROFILE.read_text())
+    prof = remat.Profile.from_json(FLAT_PROFILE.read_text())
+    assert prof.optim == OptimizerTerms("AdamW", 236652, 269932, 33280)
+    assert prof.scratch == ScratchTerms(bytes=256, located=True, pre=192, top=8, post=64)
+    assert prof.shared == SharedTerms(bytes=32768, inputs={"0,1>2": 4096})
+    assert prof.scratch_bytes == 256  # the flat name, kept as a read-only alias
+    # the fields that were not grouped read as they were
+    kept = {f.name for f in dataclasses.fields(ProfileData)} - {"optim", "scratch", "shared"}
+    assert {k: getattr(prof, k) for k in kept - {"blocks"}} == {k: flat[k] for k in kept - {"blocks"}}
+    assert prof.blocks == [BlockCosts(**b) for b in flat["blocks"]]
+    # written grouped, and read back equal
+    data = json.loads(prof.to_json())
+    assert data["scratch"] == {"bytes": 256, "located": True, "pre": 192, "top": 8, "post": 64}
+    assert not set(data) & set(flat) - kept
+    assert remat.Profile.from_json(prof.to_json()) == prof
+    # and the shape fit reads the same numbers, by their grouped names, fitted or bounded as
+    # they were
+    fit = fits(prof)
+    assert fit["scratch.pre"] is fit["blocks.0.bwd_scratch"] is Fit.BOUND
+    assert fit["optim.first_bytes"] is fit["shared.inputs[0,1>2]"] is Fit.EXACT
 
 
 def test_a_profile_written_in_the_flat_form_plans_as_it_did():
