@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     prof = remat.profile(probe, tokens, optimizer=probe_opt)
     profile_s = time.perf_counter() - started
     static = prof.static_step_bytes
-    every_act = floor_budget(prof, 100) - static - prof.scratch_bytes
+    every_act = floor_budget(prof, 100) - static - prof.scratch.bytes
     print(
         f"profiled in {profile_s:.0f} s; static {static / 1e6:.1f} MB, predicted unchecked "
         f"{prof.unchecked_peak_bytes / 1e6:.1f} MB, every-block {(static + every_act) / 1e6:.1f} "
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             f"  {row.get('plan', '')}"
         )
     print(
-        f"\nstatic {static / 1e6:.1f} MB, scratch inside operators {prof.scratch_bytes} B; "
+        f"\nstatic {static / 1e6:.1f} MB, scratch inside operators {prof.scratch.bytes} B; "
         "act / every: (peak - static) / (every-block - static); met: peak and alloc <= budget"
     )
     if args.json:

@@ -256,7 +256,7 @@ def admissible(
 ) -> list[tuple[str, ...]]:
     """The plans whose predicted peak plus the scratch inside operators fits ``budget``: the
     plans ``remat.plan`` chooses among (its cost model picks one of them)."""
-    return [ds for ds in plans if prof.peak(list(ds)).bytes + prof.scratch_bytes <= budget]
+    return [ds for ds in plans if prof.peak(list(ds)).bytes + prof.scratch.bytes <= budget]
 
 
 def _times(

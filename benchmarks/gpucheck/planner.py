@@ -60,7 +60,7 @@ class CNN(nn.Module):
 
 PLANNER_MODELS = ("gpt", "cnn", "encdec")
 """The planner part's models; ``encdec``: a bias handed along each stack
-(``Profile.shared_inputs``), under every decision the device offers, offload included."""
+(``Profile.shared.inputs``), under every decision the device offers, offload included."""
 
 
 def planner_model(check: Check, name: str) -> tuple[nn.Module, torch.Tensor]:
@@ -93,7 +93,7 @@ def plan_of(prof: remat.Profile, decisions: Sequence[str]) -> remat.Plan:
         predicted_overhead_s=0.0,
         unchecked_peak_bytes=prof.unchecked_peak_bytes,
         budget_bytes=predicted,
-        scratch_bytes=prof.scratch_bytes,
+        scratch_bytes=prof.scratch.bytes,
     )
 
 
@@ -181,7 +181,7 @@ def part_planner(check: Check, found: dict[str, Any], deadline: Deadline) -> Non
                 blocks=[b.name for b in prof.blocks],
                 decisions=list(prof.decisions),
                 per_block_plans=len(every),
-                scratch_bytes=prof.scratch_bytes,
+                scratch_bytes=prof.scratch.bytes,
                 static_bytes=prof.static_step_bytes,
                 unchecked_peak_bytes=prof.unchecked_peak_bytes,
             )

@@ -128,7 +128,7 @@ def shapes_row(check: Check, precision: str, saved: Path) -> dict[str, Any]:
         "budget": budget,
         "predicted": plan.predicted_peak_bytes,
         "on_device_predicted": on_device.peak(decisions).bytes,
-        "on_device_scratch": on_device.scratch_bytes,
+        "on_device_scratch": on_device.scratch.bytes,
         "tracker": tracked,
         "allocated": w.allocated,
         "reserved": w.reserved,

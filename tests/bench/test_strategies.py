@@ -84,10 +84,10 @@ def test_below_floor_strategy_plans_under_the_every_block_peak_or_says_it_cannot
     (prof,) = profiles.values()
     if details["note"] is None:
         peak = remat.measure_peak(model, x, set_to_none=False)
-        assert peak + prof.scratch_bytes <= floor_budget(prof, 60)
+        assert peak + prof.scratch.bytes <= floor_budget(prof, 60)
     else:
         assert "no plan reaches 60% of the every-block activations" in details["note"]
-        assert prof.floor_bytes + prof.scratch_bytes > floor_budget(prof, 60)
+        assert prof.floor_bytes + prof.scratch.bytes > floor_budget(prof, 60)
 
 
 def test_device_strategies_give_the_reference_gradients_on_a_simulated_device():

@@ -29,7 +29,7 @@ def test_auto_checkpoint_meets_the_budget_and_keeps_gradients():
     unchecked = remat.measure_peak(model, x, set_to_none=False)
     p = remat.auto_checkpoint(model, x, budget="50%", timer="flops", set_to_none=False)
     prof = remat.profile(model, x, timer="flops", set_to_none=False)
-    static, scratch = prof.static_step_bytes, prof.scratch_bytes
+    static, scratch = prof.static_step_bytes, prof.scratch.bytes
     # half the activations; the static bytes and the largest scratch inside operators on top
     assert p.budget_bytes == static + scratch + (unchecked - static) // 2
     assert remat.measure_peak(model, x, set_to_none=False) + p.scratch_bytes <= p.budget_bytes

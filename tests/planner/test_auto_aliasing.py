@@ -164,7 +164,7 @@ def test_a_block_returning_a_view_of_its_input_does_not_end_a_span():
     opt = torch.optim.AdamW(model.parameters())
     prof = remat.profile(model, x, optimizer=opt, timer="flops")
     assert prof.chained == [False, False, True, True, True]
-    p = remat.plan(prof, prof.floor_bytes + prof.scratch_bytes)
+    p = remat.plan(prof, prof.floor_bytes + prof.scratch.bytes)
     p.apply(model)
     assert remat.measure_peak(model, x, optimizer=opt) <= p.predicted_peak_bytes
 

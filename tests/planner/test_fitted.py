@@ -63,7 +63,7 @@ def test_a_profile_fitted_from_a_quarter_and_a_half_of_the_batch_equals_the_real
     assert _byte_terms(fitted) == _byte_terms(real)
     assert fitted.input_shapes == real.input_shapes
     # the scratch is measured under the plan, as for a profile from shapes
-    assert fitted.from_shapes and fitted.scratch_bytes == 0
+    assert fitted.from_shapes and fitted.scratch.bytes == 0
 
 
 def test_auto_checkpoint_of_a_routed_model_runs_no_step_at_the_whole_batch_unchecked(capsys):

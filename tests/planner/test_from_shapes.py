@@ -16,16 +16,14 @@ import torch
 
 import remat
 from remat.bench.models import ModelConfig, build, example_input
+from remat.planner.types import ScratchTerms
 from tests.support.vision_models import ResNet
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 #: what a profile from shapes does not measure (scratch inside operators: a real device's),
 #: what says how it was made, and timing noise (none with timer="flops")
-NOT_COMPARED = {
-    "scratch_bytes", "pre_scratch", "top_scratch", "post_scratch", "scratch_located",
-    "from_shapes", "device", "noise", "blocks",
-}  # fmt: skip
+NOT_COMPARED = {"scratch", "from_shapes", "device", "noise", "blocks"}
 NOT_COMPARED_IN_BLOCKS = {"fwd_scratch", "bwd_scratch", "noise"}
 
 BUDGETS = ("70%", "50%", "30%")
@@ -141,10 +139,7 @@ def _terms(prof: remat.Profile) -> dict[str, Any]:
 def _without_scratch(prof: remat.Profile) -> remat.Profile:
     """The profile with the scratch inside operators, which shapes cannot show, left out."""
     blocks = [dataclasses.replace(b, fwd_scratch=0, bwd_scratch=0) for b in prof.blocks]
-    return dataclasses.replace(
-        prof, blocks=blocks, scratch_bytes=0, pre_scratch=0, top_scratch=0, post_scratch=0,
-        scratch_located=False,
-    )  # fmt: skip
+    return dataclasses.replace(prof, blocks=blocks, scratch=ScratchTerms())
 
 
 def _plan(prof: remat.Profile, budget: str) -> tuple[Any, ...]:
@@ -161,8 +156,7 @@ def test_profile_from_shapes_has_the_cpu_profiles_terms_and_plans(make, profiles
     cpu = profiles(make, "cpu")
     assert meta.from_shapes and not cpu.from_shapes
     assert meta.device == cpu.device == "cpu"
-    assert not meta.scratch_located
-    assert meta.scratch_bytes == meta.pre_scratch == meta.top_scratch == meta.post_scratch == 0
+    assert meta.scratch == ScratchTerms()  # none, and not located
     assert all(b.fwd_scratch == b.bwd_scratch == 0 for b in meta.blocks)
     assert _terms(meta) == _terms(cpu)
     bare = _without_scratch(cpu)
@@ -175,7 +169,7 @@ def test_profile_from_shapes_has_the_cpu_profiles_terms_and_plans(make, profiles
 
 def test_plan_from_shapes_applied_to_the_real_gpt_meets_its_prediction(profiles):
     meta = profiles(_gpt, "meta")
-    scratch = profiles(_gpt, "cpu").scratch_bytes
+    scratch = profiles(_gpt, "cpu").scratch.bytes
     model, (x,), _ = _gpt("cpu")
     opt = torch.optim.AdamW(model.parameters())
     planned = 0
@@ -208,7 +202,7 @@ def test_a_model_too_large_for_memory_is_profiled_from_shapes_allocating_nothing
     assert cpu.peak_bytes < 2**20  # the SDPA choice's one-row stand-ins, nothing of the model
     assert prof.from_shapes and len(prof.blocks) == 4
     assert prof.static_bytes >= weights
-    assert prof.optimizer_state_bytes >= 2 * weights  # AdamW's two moments
+    assert prof.optim.state_bytes >= 2 * weights  # AdamW's two moments
     with pytest.raises(remat.PlanError, match=r"The peak is in optimizer.step\(\)"):
         remat.plan(prof, "50%")  # AdamW's first step: no checkpointing lowers it
 
@@ -266,5 +260,4 @@ def test_a_fused_optimizer_is_profiled_from_shapes_as_on_cpu():
     real = remat.profile(model, x, optimizer=opt, timer="flops")
     m, (mx,), _, mo = twin(model, (x,), {}, opt)
     shaped = remat.profile(m, mx, optimizer=mo, timer="flops")
-    for f in ("optimizer_state_bytes", "optimizer_first_bytes", "optimizer_later_bytes"):
-        assert getattr(shaped, f) == getattr(real, f), f
+    assert shaped.optim == real.optim

@@ -57,7 +57,7 @@ def test_t5_plans_checkpointing_some_of_the_blocks_its_bias_reaches_are_predicte
     torch.manual_seed(0)
     model, batch = FAMILIES["t5"][0]()
     prof = remat.profile(model, timer="flops", **batch)
-    assert prof.shared_inputs == {"1,2,3>3": 65536, "5,6,7>8": 49152}
+    assert prof.shared.inputs == {"1,2,3>3": 65536, "5,6,7>8": 49152}
     n = len(prof.blocks)
     gen = torch.Generator().manual_seed(0)
     choices = ("keep", "recompute", "selective")

@@ -170,7 +170,7 @@ def test_plans_offload_span_inputs_where_copies_are_cheaper_than_recompute_bitwi
         for b in without.blocks:
             b.offload_input = 0
         lo, hi = prof.floor_bytes, prof.unchecked_peak_bytes
-        budget = lo + (hi - lo) // 5 + prof.scratch_bytes
+        budget = lo + (hi - lo) // 5 + prof.scratch.bytes
         plan = remat.plan(prof, budget)
         assert plan.offloaded_spans
         assert "(input offloaded)" in str(plan)  # the plan's table says which

@@ -370,14 +370,14 @@ def test_good_budgets_are_read_as_bytes(cnn_profile, budget, expected):
     if isinstance(expected, float):  # static bytes and scratch inside operators on top
         static = cnn_profile.static_step_bytes
         share = int((cnn_profile.unchecked_peak_bytes - static) * expected)
-        expected = static + cnn_profile.scratch_bytes + share
+        expected = static + cnn_profile.scratch.bytes + share
     assert p.budget_bytes == expected
     assert set(p.decisions.values()) == {"keep"}
 
 
 def test_percent_budget_is_a_share_of_what_the_unchecked_step_allocates(cnn_profile):
     p = remat.plan(cnn_profile, "90%")
-    static, scratch = cnn_profile.static_step_bytes, cnn_profile.scratch_bytes
+    static, scratch = cnn_profile.static_step_bytes, cnn_profile.scratch.bytes
     assert scratch > 0  # oneDNN's convolution backward
     share = int((cnn_profile.unchecked_peak_bytes - static) * 0.9)
     assert p.budget_bytes == static + scratch + share

@@ -90,12 +90,12 @@ def test_a_running_profiler_leaves_scratch_unmeasured_and_says_so(caplog):
 def test_profile_locates_the_scratch_and_plans_keep_it_within_the_budget():
     model, x = _model(), _input()
     prof = remat.profile(model, x, timer="flops")
-    assert prof.scratch_bytes == SCRATCH and prof.scratch_located
+    assert prof.scratch.bytes == SCRATCH and prof.scratch.located
     # the operator runs in each block's forward; its backward has none
     assert [(b.fwd_scratch, b.bwd_scratch) for b in prof.blocks] == [(SCRATCH, 0)] * 6
-    assert prof.pre_scratch == prof.top_scratch == 0
+    assert prof.scratch.pre == prof.scratch.top == 0
     again = remat.Profile.from_json(prof.to_json())
-    assert again.scratch_bytes == SCRATCH and again.blocks == prof.blocks
+    assert again.scratch.bytes == SCRATCH and again.blocks == prof.blocks
     keep, every = ["keep"] * 6, ["recompute"] * 6
     # kept blocks: the scratch in a forward term, not in the backward ones; recomputed
     # blocks: their forward again in their backward window, with its scratch
@@ -126,8 +126,9 @@ def test_a_profile_without_located_scratch_adds_it_to_every_term():
     # a profile written before the scratch was located: the largest, everywhere
     prof = remat.profile(_model(), _input(), timer="flops")
     data = json.loads(prof.to_json())
-    data.pop("scratch_located")
-    old = remat.Profile(**data)
+    data["scratch"].pop("located")
+    old = remat.Profile.from_json(json.dumps(data))
+    assert not old.scratch.located
     for ds in (["keep"] * 6, ["recompute"] * 6, ["selective", "keep"] * 3):
         assert allocator_peak(old, ds).bytes == old.peak(ds).bytes + SCRATCH
     assert remat.plan(old, "60%").scratch_bytes == SCRATCH
@@ -202,12 +203,12 @@ def test_conv_models_meet_byte_budgets_the_largest_scratch_on_every_peak_refused
     probe = copy.deepcopy(model)
     opt = torch.optim.AdamW(probe.parameters(), lr=1e-3)
     prof = remat.profile(probe, x, optimizer=opt, timer="flops")
-    assert prof.scratch_located and prof.scratch_bytes > 0
+    assert prof.scratch.located and prof.scratch.bytes > 0
     if point == "unchecked":
         budget = allocator_peak(prof, ["keep"] * len(prof.blocks)).bytes
-        assert prof.unchecked_peak_bytes < budget < prof.unchecked_peak_bytes + prof.scratch_bytes
+        assert prof.unchecked_peak_bytes < budget < prof.unchecked_peak_bytes + prof.scratch.bytes
     else:
-        old = prof.floor_bytes + prof.scratch_bytes
+        old = prof.floor_bytes + prof.scratch.bytes
         budget = (prof.smallest_budget_bytes + old) // 2
         assert prof.floor_bytes < prof.smallest_budget_bytes <= budget < old
     p = check_auto(model, x, budget=budget)
@@ -244,8 +245,8 @@ def test_the_backward_of_the_layers_before_the_blocks_is_a_term_of_its_own():
     torch.manual_seed(0)
     model, x = _Stem(), torch.randn(2, 3, 64, 64)
     prof = remat.profile(model, x, timer="flops")
-    assert prof.post > prof.pre and prof.post_scratch == prof.scratch_bytes
-    assert prof.blocks[0].bwd_scratch < prof.post_scratch
+    assert prof.post > prof.pre and prof.scratch.post == prof.scratch.bytes
+    assert prof.blocks[0].bwd_scratch < prof.scratch.post
     for ds in itertools.product(["keep", "recompute", "selective"], repeat=3):
         for b, d in zip(model.blocks, ds):
             apply_decision(b, d)
@@ -269,8 +270,8 @@ def test_resnet_meets_a_budget_its_stems_scratch_refused_at_the_allocator():
     probe = copy.deepcopy(model)
     opt = torch.optim.AdamW(probe.parameters(), lr=1e-3)
     prof = remat.profile(probe, x, optimizer=opt, timer="flops")
-    assert prof.post_scratch == prof.scratch_bytes > prof.blocks[0].bwd_scratch
-    old = prof.floor_bytes + prof.post_scratch
+    assert prof.scratch.post == prof.scratch.bytes > prof.blocks[0].bwd_scratch
+    old = prof.floor_bytes + prof.scratch.post
     budget = (prof.smallest_budget_bytes + old) // 2
     assert prof.smallest_budget_bytes <= budget < old
     p = check_auto(model, x, budget=budget)

@@ -79,7 +79,7 @@ def test_gpt_fit_is_exact_at_lengths_never_profiled(gpt_fit):
 def test_fitted_profile_plans_like_the_measured_one(gpt_fit):
     fit, measure = gpt_fit
     fitted, measured = fit.at(44), measure(44)
-    budget = (measured.unchecked_peak_bytes + measured.floor_bytes) // 2 + measured.scratch_bytes
+    budget = (measured.unchecked_peak_bytes + measured.floor_bytes) // 2 + measured.scratch.bytes
     assert remat.plan(fitted, budget).decisions == remat.plan(measured, budget).decisions
     assert fitted.unchecked_peak_bytes == measured.unchecked_peak_bytes
 

@@ -55,8 +55,8 @@ def test_a_bias_a_stack_hands_on_is_one_group_of_its_receivers_and_where_it_dies
     assert [b.name for b in prof.blocks] == NAMES
     # the encoder's dies when the encoder returns (in block 2's window), the decoder's when
     # the forward returns (after block 5: window 6); neither is a mask made by the model
-    assert prof.shared_inputs == {"1,2>2": BIAS, "4,5>6": BIAS}
-    assert prof.shared_bytes == 0
+    assert prof.shared.inputs == {"1,2>2": BIAS, "4,5>6": BIAS}
+    assert prof.shared.bytes == 0
 
 
 def test_plans_that_checkpoint_some_of_the_receivers_are_predicted_exactly():

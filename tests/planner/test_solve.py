@@ -97,17 +97,17 @@ def test_parse_budget_rejects_garbage_with_a_hint(bad):
 def test_percentage_budget_is_static_plus_that_share_of_the_rest(adamw_profile, pct):
     prof = adamw_profile
     static, unchecked = prof.static_step_bytes, prof.unchecked_peak_bytes
-    assert static == prof.static_bytes + prof.optimizer_state_bytes  # gradients None
+    assert static == prof.static_bytes + prof.optim.state_bytes  # gradients None
     expected = static + (unchecked - static) * pct // 100
     assert parse_budget(f"{pct}%", static, unchecked) == expected
     # the largest scratch inside operators is on top of the share, as the static bytes are;
     # a budget under the smallest one a plan meets (its peak and the scratch there) is refused
-    if expected + prof.scratch_bytes < prof.smallest_budget_bytes:
+    if expected + prof.scratch.bytes < prof.smallest_budget_bytes:
         with pytest.raises(remat.PlanError):
             remat.plan(prof, f"{pct}%")
         return
     p = remat.plan(prof, f"{pct}%")
-    assert p.budget_bytes == expected + prof.scratch_bytes
+    assert p.budget_bytes == expected + prof.scratch.bytes
     assert p.predicted_peak_bytes + p.scratch_bytes <= p.budget_bytes
     if pct >= 100:
         assert set(p.decisions.values()) == {"keep"}
@@ -224,7 +224,7 @@ def test_planning_a_flops_profile_twice_gives_the_same_plan():
     assert again.to_json() == prof.to_json()
     floor = per_block_floor(prof)
     for budget in (floor, (floor + prof.unchecked_peak_bytes) // 2):
-        budget += prof.scratch_bytes
+        budget += prof.scratch.bytes
         a, b = remat.plan(prof, budget), remat.plan(again, budget)
         assert a == b and a.to_json() == b.to_json()
 

@@ -140,11 +140,11 @@ def test_first_adamw_step_is_the_peak_no_plan_moves_it_and_the_error_names_the_l
     opt = torch.optim.AdamW(model.parameters())
     prof = remat.profile(model, x, optimizer=opt, timer="flops")
     moments = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
-    assert moments < prof.optimizer_state_bytes <= moments + 6 * 8  # and a `step` per parameter
+    assert moments < prof.optim.state_bytes <= moments + 6 * 8  # and a `step` per parameter
     p = remat.plan(prof, "100%")
     assert p.peak_at.startswith("optimizer.step() of the first step")
     assert p.peak_movable is False
-    assert p.breakdown["optimizer"] == prof.optimizer_state_bytes
+    assert p.breakdown["optimizer"] == prof.optim.state_bytes
     assert "no checkpointing plan lowers" in str(p)
     first, later = step_peaks(model, x, optimizer=opt, steps=2)
     assert first == p.predicted_peak_bytes >= later
@@ -163,7 +163,7 @@ def test_sgd_with_momentum_peak_is_in_backward_and_movable():
     model, x = wide_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     prof = remat.profile(model, x, optimizer=opt, timer="flops")
-    assert prof.optimizer_state_bytes == sum(p.numel() * 4 for p in model.parameters())
+    assert prof.optim.state_bytes == sum(p.numel() * 4 for p in model.parameters())
     p = remat.plan(prof, "100%")
     assert p.peak_at.startswith("backward of") and p.peak_movable
     assert remat.measure_peak(model, x, optimizer=opt) == p.predicted_peak_bytes
@@ -210,7 +210,7 @@ def test_breakdown_adds_up_to_the_peak_and_the_table_shows_it(
     opt = make_optimizer(opt_name, model)
     prof = remat.profile(model, x, optimizer=opt, set_to_none=set_to_none, timer="flops")
     peak = prof.peak([decision] * len(prof.blocks))
-    p = remat.plan(prof, peak.bytes + prof.scratch_bytes)
+    p = remat.plan(prof, peak.bytes + prof.scratch.bytes)
     assert set(p.breakdown) == {"static", "gradients", "optimizer", "activations"}
     assert sum(p.breakdown.values()) == p.predicted_peak_bytes
     assert all(v >= 0 for v in p.breakdown.values()), p.breakdown
@@ -294,7 +294,7 @@ def test_a_mask_the_forward_passes_to_every_block_is_counted_once_a_block_is_che
     # the forward makes the attention mask and passes it to every block; under keep it dies
     # when the forward returns, but a checkpointed block keeps it as an input until its
     # backward, so every later block's backward has it too: (recompute, keep, keep) was
-    # predicted 32 KB low. Profile.shared_bytes records it; every plan is now exact
+    # predicted 32 KB low. Profile.shared.bytes records it; every plan is now exact
     from tests.support.families import RotaryLM, token_loss, tokens
 
     torch.manual_seed(0)
@@ -302,7 +302,7 @@ def test_a_mask_the_forward_passes_to_every_block_is_counted_once_a_block_is_che
     idx, pad = tokens(shape=(8, 64)), torch.ones(8, 64, dtype=torch.bool)
     opt = torch.optim.AdamW(model.parameters())
     prof = remat.profile(model, idx, pad, optimizer=opt, loss_fn=token_loss, timer="flops")
-    assert prof.shared_bytes == 8 * 64 * 64  # the bool mask (B, 1, T, T)
+    assert prof.shared.bytes == 8 * 64 * 64  # the bool mask (B, 1, T, T)
     blocks = [model.get_submodule(b.name) for b in prof.blocks]
     wrong = []
     for ds in itertools.product(["keep", "recompute", "selective"], repeat=3):
@@ -315,7 +315,7 @@ def test_a_mask_the_forward_passes_to_every_block_is_counted_once_a_block_is_che
     # two blocks are enough: the first block's arguments count too
     two = RotaryLM(depth=2)
     prof2 = remat.profile(two, idx, pad, optimizer=None, loss_fn=token_loss, timer="flops")
-    assert prof2.shared_bytes == 8 * 64 * 64
+    assert prof2.shared.bytes == 8 * 64 * 64
 
 
 class _HiddenList(torch.nn.Module):

@@ -190,7 +190,7 @@ def test_spans_join_only_blocks_the_model_calls_back_to_back():
     x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0), requires_grad=True)
     prof = remat.profile(model, x, timer="flops")
     assert prof.chained == [True, False, True]
-    p = remat.plan(prof, prof.floor_bytes + prof.scratch_bytes)
+    p = remat.plan(prof, prof.floor_bytes + prof.scratch.bytes)
     assert p.spans  # below the per-block floor, but never across the norm
     for first, last in p.spans:
         assert (first, last) in {("layers.0", "layers.1"), ("layers.2", "layers.3")}

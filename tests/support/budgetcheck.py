@@ -70,8 +70,8 @@ def check_default_plans(
     # operators on top; a plan's peak as the allocator counts it: its tensors' peak plus
     # the scratch of its window (Plan.scratch_bytes)
     n = len(prof.blocks)
-    base = prof.static_step_bytes + prof.scratch_bytes
-    full = prof.unchecked_peak_bytes + prof.scratch_bytes
+    base = prof.static_step_bytes + prof.scratch.bytes
+    full = prof.unchecked_peak_bytes + prof.scratch.bytes
     every_scratch = allocator_peak(prof, ["recompute"] * n).bytes - prof.peak(["recompute"] * n).bytes
     met: set[float] = set()
     out: dict[float, tuple[int, int]] = {}
@@ -96,9 +96,9 @@ def check_default_plans(
     static, activations = prof.static_step_bytes, prof.unchecked_peak_bytes - prof.static_step_bytes
     tensors = {share for share in BUDGETS if every_peak <= static + int(share * activations)}
     assert tensors == reached, f"the every-block checkpoint ({every_peak} B) meets {sorted(tensors)}"
-    assert tensors <= met, (sorted(tensors), sorted(met), every_scratch, prof.scratch_bytes)
+    assert tensors <= met, (sorted(tensors), sorted(met), every_scratch, prof.scratch.bytes)
     if scratch_apart:
-        assert every_scratch < prof.scratch_bytes, (every_scratch, prof.scratch_bytes)
+        assert every_scratch < prof.scratch.bytes, (every_scratch, prof.scratch.bytes)
     off = {s: pm for s, pm in out.items() if pm[0] != pm[1]}
     if off:
         raise PredictionOff(f"(predicted, measured) peaks differ: {off}")

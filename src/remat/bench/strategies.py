@@ -213,21 +213,21 @@ gradients and one split block's backward are alive at its peak), so both are rea
 def floor_budget(prof: Any, pct: float) -> int:
     """Static bytes plus ``pct``% of the activation bytes of checkpointing every block, in
     the planner's units (the predicted step peak of ``recompute`` on every block), plus the
-    scratch inside operators that budgets leave room for (``Profile.scratch_bytes``).
+    scratch inside operators that budgets leave room for (``Profile.scratch.bytes``).
 
     Example:
         >>> import torch, remat
         >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
         >>> prof = remat.profile(model, torch.randn(64, 8), timer="flops")
         >>> every = prof.peak(["recompute"] * 3).bytes
-        >>> floor_budget(prof, 100) == every + prof.scratch_bytes
+        >>> floor_budget(prof, 100) == every + prof.scratch.bytes
         True
         >>> prof.static_step_bytes < floor_budget(prof, 50) < every
         True
     """
     every = prof.peak(["recompute"] * len(prof.blocks)).bytes
     static = prof.static_step_bytes
-    return static + prof.scratch_bytes + int((every - static) * pct / 100)
+    return static + prof.scratch.bytes + int((every - static) * pct / 100)
 
 
 def shared_profile(model: nn.Module, example: Any, profiles: dict[Any, Any] | None) -> Any:
@@ -261,9 +261,9 @@ def auto_below_floor(
         )
         note = None
     except remat.PlanError:
-        chosen = remat.plan(prof, prof.floor_bytes + prof.scratch_bytes)
+        chosen = remat.plan(prof, prof.floor_bytes + prof.scratch.bytes)
         chosen.apply(model)
-        every = floor_budget(prof, 100) - prof.static_step_bytes - prof.scratch_bytes
+        every = floor_budget(prof, 100) - prof.static_step_bytes - prof.scratch.bytes
         reach = 100 * (prof.floor_bytes - prof.static_step_bytes) / max(every, 1)
         note = (
             f"no plan reaches {pct}% of the every-block activations (remat.PlanError); the "

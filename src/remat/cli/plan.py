@@ -402,7 +402,7 @@ def main(args: argparse.Namespace) -> int:
             + ("the time a decision adds to a step" if prof.cost_unit == "s" else "its FLOPs")
             + (f" priced with calibration {args.calibration}" if args.calibration else "")
         )
-        if prof.from_shapes and not prof.scratch_located:
+        if prof.from_shapes and not prof.scratch.located:
             print(
                 f"remat plan: from shapes (a model on the meta device, nothing allocated): "
                 f"every tensor's bytes as on {prof.device}; the scratch inside operators "

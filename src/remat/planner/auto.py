@@ -233,8 +233,8 @@ def check_profile_matches(
     if shapes != prof.input_shapes:
         problems.append(f"inputs of shapes {prof.input_shapes}, not {shapes}")
     opt = type(optimizer).__name__ if optimizer is not None else None
-    if opt != prof.optimizer:
-        problems.append(f"optimizer={prof.optimizer}, not {opt}")
+    if opt != prof.optim.name:
+        problems.append(f"optimizer={prof.optim.name}, not {opt}")
     if prof.grads_kept == set_to_none:
         problems.append(f"set_to_none={not prof.grads_kept}, not {set_to_none}")
     if problems:

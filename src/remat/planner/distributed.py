@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .._errors import PlanError
-from .types import Fit, ProfileData
+from .types import BlockCosts, Fit, ProfileData, term_parts, with_parts
 
 P = TypeVar("P", bound=ProfileData)
 
@@ -143,13 +143,12 @@ def _replaced(obj: Any, kind: str, ints: Iterator[int], floats: Iterator[float])
 
 def profile_numbers(prof: ProfileData, kind: str = "max") -> tuple[list[int], list[float]]:
     """The profile's numbers that agree by ``kind`` (``"max"``: bytes and times; ``"min"``),
-    flattened in a fixed order: the profile's fields, then each block's (see
-    :func:`set_profile_numbers`)."""
+    flattened in a fixed order: the profile's fields, its groups', then each block's
+    (:func:`~remat.planner.types.term_parts`; see :func:`set_profile_numbers`)."""
     ints: list[int] = []
     floats: list[float] = []
-    _numbers(prof, kind, ints, floats)
-    for b in prof.blocks:
-        _numbers(b, kind, ints, floats)
+    for _, part in term_parts(prof):
+        _numbers(part, kind, ints, floats)
     return ints, floats
 
 
@@ -158,16 +157,19 @@ def set_profile_numbers(
 ) -> Any:
     """A copy of ``prof`` with the numbers of :func:`profile_numbers` replaced, in that order."""
     it, ft = iter(ints), iter(floats)
-    out = _replaced(prof, kind, it, ft)
-    out.blocks = [_replaced(b, kind, it, ft) for b in prof.blocks]
-    return out
+    return with_parts(prof, lambda _, part: _replaced(part, kind, it, ft))
 
 
 def structure(prof: ProfileData) -> tuple[Any, ...]:
     """What must be the same on every rank before numbers can be combined: the fields that
-    agree as ``"same"`` (the profile's and its blocks'), and the keys of every dict of
-    numbers."""
-    same = [repr(getattr(prof, f)) for f, _ in _fields(prof, "same")]
+    agree as ``"same"`` (the profile's, its groups' and its blocks'), and the keys of every
+    dict of the blocks' numbers."""
+    same = [
+        repr(getattr(part, f))
+        for _, part in term_parts(prof)
+        if not isinstance(part, BlockCosts)
+        for f, _ in _fields(part, "same")
+    ]
     for b in prof.blocks:
         same += [repr(getattr(b, f)) for f, _ in _fields(b, "same")]
         for kind in ("max", "min"):

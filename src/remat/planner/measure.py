@@ -118,7 +118,7 @@ def profile(
     ``2 + len(decisions) * (1 + repeats)`` with ``timer="measured"``), plus two
     ``optimizer.step()`` calls when an optimizer is given. One of the steps runs
     under ``torch.profiler`` to measure the scratch memory inside operators
-    (``Profile.scratch_bytes``). Everything they
+    (``Profile.scratch``). Everything they
     change is put back: parameter values, gradients (of parameters and inputs:
     the very tensors, untouched), optimizer state and hyper-parameters,
     buffers (BatchNorm running statistics), the RNG, and the blocks' wrapping.
@@ -206,7 +206,7 @@ def profile(
         >>> model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         >>> prof = remat.profile(model, torch.randn(8, 16), optimizer=opt, timer="flops")
-        >>> [b.name for b in prof.blocks], prof.optimizer_state_bytes  # one momentum buffer a parameter
+        >>> [b.name for b in prof.blocks], prof.optim.state_bytes  # one momentum buffer a parameter
         (['0', '1', '2'], 3264)
     """
     args, kwargs = model_inputs(args, kwargs, "remat.profile")

@@ -144,7 +144,7 @@ class CallCount:
             # that ends here would keep that output alive, which the step model counts
             # as freed. Such blocks do not join the block before them.
             # A tensor both return unchanged (a position bias handed along the stack) is no
-            # view: the step model counts it (``Profile.shared_inputs``).
+            # view: the step model counts it (``Profile.shared.inputs``).
             got = [t for r in self.returned if (t := r()) is not None]
             made = [o for o in outs if not any(o is t for t in got)]
             if any(shares_storage(o, t) for o in made for t in got):
@@ -519,7 +519,7 @@ class InputFrees:
                 ref, count = weakref.ref(t), 0
                 self.arg_sizes[id(t)] = stored([t])
             self.args[id(t)] = (ref, count + 1)
-            if count + 1 == 2:  # shared: not one block's input (Profile.shared_bytes); from
+            if count + 1 == 2:  # shared: not one block's input (Profile.shared.bytes); from
                 keys = storage_keys(t)
                 self.many |= keys  # here on ``many`` keeps it out as it is recorded
                 for j in range(i):

@@ -19,7 +19,7 @@ becomes a knot and the two halves are checked in turn, up to a number of profile
 the trusted intervals the caller measures each size it needs instead of trusting the fit
 (:mod:`remat.planner.shapes`). Times (and FLOPs) are interpolated the same way and
 never checked: they only rank plans, a time below 0 is taken as 0. Scratch inside operators
-(``scratch_bytes`` and the per-window scratch terms) is the workspace a kernel sizes by its
+(``scratch``'s terms and the blocks' per-window ones) is the workspace a kernel sizes by its
 own thresholds: between two sizes where it was measured it is the larger of their values
 (scratch assumed to grow with the size within an interval), neither fitted nor checked. A
 profile from shapes sees none: its knot's scratch is measured in a real step of the planned
@@ -50,7 +50,7 @@ from typing import Any
 from .._errors import PlanError
 from .distributed import structure
 from .solve import Profile
-from .types import Fit, ProfileData
+from .types import Fit, ProfileData, term_parts, with_parts
 
 __all__ = ["ShapeFit", "fits", "interpolate", "terms"]
 
@@ -63,7 +63,7 @@ def _fields(obj: Any) -> list[tuple[str, Fit]]:
 
 def _walk(prof: ProfileData) -> Iterator[tuple[str, int | float, Fit]]:
     """Every number of ``prof`` by name (see :func:`terms`), with its field's fit."""
-    for prefix, obj in [("", prof)] + [(f"{b.name}.", b) for b in prof.blocks]:
+    for prefix, obj in term_parts(prof):
         for name, fit in _fields(obj):
             v = getattr(obj, name)
             if isinstance(v, dict):
@@ -74,8 +74,9 @@ def _walk(prof: ProfileData) -> Iterator[tuple[str, int | float, Fit]]:
 
 
 def terms(prof: ProfileData) -> dict[str, int | float]:
-    """Every number of ``prof`` by name (``"top"``, ``"blocks.0.fwd_excess[keep]"``): the
-    fields the step model reads, of the profile and of each block.
+    """Every number of ``prof`` by name (``"top"``, ``"scratch.bytes"``,
+    ``"blocks.0.fwd_excess[keep]"``): the fields the step model reads, of the profile, of its
+    groups of terms and of each block (:func:`~remat.planner.types.term_parts`).
 
     Example:
         >>> import torch, remat
@@ -104,8 +105,6 @@ def _rebuilt(obj: Any, prefix: str, values: Mapping[str, int | float]) -> Any:
     return dataclasses.replace(obj, **changes)
 
 
-
-
 def _structure(prof: ProfileData) -> tuple[object, ...]:
     """What must be the same at every size: the blocks, decisions, options and the keys of
     every dict of terms (:func:`~remat.planner.distributed.structure`), shapes and the unit
@@ -113,7 +112,11 @@ def _structure(prof: ProfileData) -> tuple[object, ...]:
     where its scratch came from (a profile from shapes has it measured later, or not)."""
     return structure(
         dataclasses.replace(
-            prof, input_shapes=[], cost_unit="", scratch_located=False, from_shapes=False
+            prof,
+            input_shapes=[],
+            cost_unit="",
+            scratch=dataclasses.replace(prof.scratch, located=False),
+            from_shapes=False,
         )
     )
 
@@ -323,12 +326,11 @@ class ShapeFit:
             return self.profiles[size]
         values = self.values(size)
         top = self.profiles[self.largest]
-        prof = _rebuilt(top, "", values)
-        prof.blocks = [_rebuilt(b, f"{b.name}.", values) for b in top.blocks]
+        prof = with_parts(top, lambda prefix, part: _rebuilt(part, prefix, values))
         prof.input_shapes = [
             [size if d == self.largest else d for d in shape] for shape in top.input_shapes
         ]
-        return prof  # type: ignore[no-any-return]
+        return prof
 
     def misses(self, size: int, prof: Profile) -> list[str]:
         """The byte terms of ``prof`` (measured at ``size``) the fit does not give exactly."""

@@ -91,14 +91,14 @@ class Profile(ProfileData):
     @property
     def unchecked_peak_bytes(self) -> int:
         """Predicted peak of a step with every block kept (absolute bytes of tensors; the
-        allocator's adds at most ``scratch_bytes``)."""
+        allocator's adds at most ``scratch.bytes``)."""
         return unchecked_peak(self).bytes
 
     @property
     def floor_bytes(self) -> int:
         """The smallest predicted step peak any plan reaches (absolute bytes of tensors):
         the smallest budget :func:`remat.plan` meets is at most this plus
-        ``scratch_bytes`` (exactly :attr:`smallest_budget_bytes`)."""
+        ``scratch.bytes`` (exactly :attr:`smallest_budget_bytes`)."""
         return floor(self)[2].bytes
 
     @property
@@ -447,7 +447,7 @@ def plan(
         )
     n = len(profile.blocks)
     found: tuple[list[Decision], list[Span]] | None = None
-    if profile.shared_bytes and checked_all.bytes <= budget_bytes:
+    if profile.shared.bytes and checked_all.bytes <= budget_bytes:
         found = ([Decision.KEEP] * n, [])  # no checkpoint: the shared bytes die in forward
     else:
         terms = solver_terms(alloc)
@@ -500,5 +500,5 @@ def plan(
         peak_phase=peak.at.phase,
         block_share=block_share(profile),
         diagnostics=advice.loss_head(profile, peak, decisions, chosen),
-        scratch_unknown=profile.from_shapes and not profile.scratch_located,
+        scratch_unknown=profile.from_shapes and not profile.scratch.located,
     )

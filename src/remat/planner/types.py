@@ -23,7 +23,8 @@ import dataclasses
 import enum
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 from typing_extensions import Self
 
@@ -34,22 +35,26 @@ __all__ = [
     "BOUND",
     "DECISIONS",
     "FIT",
+    "GROUP",
     "MAX",
     "MIN",
     "NEVER",
     "SAME",
     "SPAN_INNER",
     "Measurements",
+    "OptimizerTerms",
     "PlanData",
     "ProfileData",
     "BlockCosts",
     "Decision",
     "Fit",
     "Phase",
+    "ScratchTerms",
     "Segment",
     "Span",
     "SpanKind",
     "SharedInput",
+    "SharedTerms",
     "SpanLike",
     "StepPeak",
     "TIME",
@@ -58,6 +63,8 @@ __all__ = [
     "Window",
     "WindowKind",
     "shared_inputs",
+    "term_parts",
+    "with_parts",
 ]
 
 #: How ranks agree over a field (:mod:`remat.planner.distributed`): every rank must hold the
@@ -366,7 +373,8 @@ class SharedInput:
 
 
 def shared_inputs(groups: dict[str, int]) -> list[SharedInput]:
-    """The :class:`SharedInput` s of a profile's ``shared_inputs``, in key order."""
+    """The :class:`SharedInput` s of a profile's ``shared.inputs`` (:class:`SharedTerms`), in
+    key order."""
     return [SharedInput.of(k, v) for k, v in sorted(groups.items()) if v]
 
 
@@ -498,7 +506,8 @@ class Measurements:
         shared_bytes: bytes of the block inputs several blocks share (:class:`InputFrees`'s).
         optimizer: the optimizer's class name (``None``: none).
         optimizer_first_bytes / optimizer_later_bytes / optimizer_state_bytes: peaks inside
-            the first and a later ``optimizer.step()``, and the state's bytes.
+            the first and a later ``optimizer.step()``, and the state's bytes (a profile
+            groups these as :class:`OptimizerTerms`, the shared ones as :class:`SharedTerms`).
         static_bytes: parameters, buffers, inputs (and DDP's buckets).
         grads_kept: whether the loop keeps its gradients (``set_to_none=False``).
         input_shapes: shapes of the tensor inputs.
@@ -544,12 +553,113 @@ class Measurements:
     scratch: dict[Window, int] | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class ScratchTerms:
+    """The scratch inside operators of a profile's step: the most memory one operator
+    allocates and frees before it returns, which the allocator counts and :mod:`remat.memory`
+    cannot (:mod:`remat.planner.scratch`). Each block's own windows are
+    :attr:`BlockCosts.fwd_scratch` and :attr:`BlockCosts.bwd_scratch`.
+
+    A kernel sizes its workspace by thresholds of its own: the shape fit bounds these terms
+    (the larger of the sizes around, :attr:`Fit.BOUND`) and never fits them.
+
+    Attributes:
+        bytes: the largest of the step's forward and backward (every window's).
+        located: whether it was measured per window of the step (``pre``, ``top``, ``post``
+            and each block's): the step model then adds to each term the largest scratch of
+            its window (:func:`~remat.planner.stepmodel.with_scratch`); otherwise ``bytes``
+            to every term (profiles written before it was located).
+        pre / top: the largest of one operator before the first block / between the last
+            block's forward and its backward (head, loss and their backward).
+        post: the largest in :attr:`ProfileData.post`'s window (the backward of the layers
+            before the first block).
+    """
+
+    bytes: int = dataclasses.field(default=0, metadata=MAX | BOUND)
+    located: bool = dataclasses.field(default=False, metadata=SAME)
+    pre: int = dataclasses.field(default=0, metadata=MAX | BOUND)
+    top: int = dataclasses.field(default=0, metadata=MAX | BOUND)
+    post: int = dataclasses.field(default=0, metadata=MAX | BOUND)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerTerms:
+    """The optimizer step of a profile's loop (all 0 without one).
+
+    Attributes:
+        name: the optimizer's class name, or ``None`` (no optimizer step modelled).
+        state_bytes: the optimizer's state after its first step.
+        first_bytes / later_bytes: peak bytes allocated inside the first / a later
+            ``optimizer.step()`` (state creation included).
+    """
+
+    name: str | None = dataclasses.field(default=None, metadata=SAME)
+    state_bytes: int = dataclasses.field(default=0, metadata=MAX | FIT)
+    first_bytes: int = dataclasses.field(default=0, metadata=MAX | FIT)
+    later_bytes: int = dataclasses.field(default=0, metadata=MAX | FIT)
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedTerms:
+    """Tensors handed to blocks that die in forward with every block kept, which a
+    checkpointed block holds into its backward instead: one phenomenon, recorded in two
+    disjoint parts by how the step model counts them.
+
+    Attributes:
+        bytes: those the model's forward makes and passes to two or more blocks (an attention
+            mask, rotary tables), that die when the forward returns: a checkpointed block
+            keeps them until its backward, and every later block's backward has them too
+            (:func:`~remat.planner.stepmodel.checkpointed_view`).
+        inputs: the bytes of the other storages handed to blocks that die in forward, by
+            :attr:`SharedInput.key` (the blocks that received them and where they die; one
+            block's input that dies in its own window is in that block's terms): a checkpoint
+            of any of those blocks holds them into its backward, once however many do.
+            :attr:`groups` reads them.
+    """
+
+    bytes: int = dataclasses.field(default=0, metadata=MAX | FIT)
+    inputs: dict[str, int] = dataclasses.field(default_factory=dict, metadata=MAX | FIT)
+
+    @property
+    def groups(self) -> list[SharedInput]:
+        """:attr:`inputs` as :class:`SharedInput` s (:func:`shared_inputs`)."""
+        return shared_inputs(self.inputs)
+
+
+#: Metadata of a :class:`ProfileData` field that holds a group of its terms
+#: (:class:`ScratchTerms`, :class:`OptimizerTerms`, :class:`SharedTerms`): what reads the terms
+#: by their metadata (the shape fit, the ranks' agreement) reads the group's fields as well,
+#: named ``"<group>.<field>"`` (:func:`term_parts`).
+GROUP = {"group": True}
+
+#: The fields of profiles written before their terms were grouped, by group and field.
+_FLAT = {
+    "scratch_bytes": ("scratch", "bytes"),
+    "scratch_located": ("scratch", "located"),
+    "pre_scratch": ("scratch", "pre"),
+    "top_scratch": ("scratch", "top"),
+    "post_scratch": ("scratch", "post"),
+    "optimizer": ("optim", "name"),
+    "optimizer_state_bytes": ("optim", "state_bytes"),
+    "optimizer_first_bytes": ("optim", "first_bytes"),
+    "optimizer_later_bytes": ("optim", "later_bytes"),
+    "shared_bytes": ("shared", "bytes"),
+    "shared_inputs": ("shared", "inputs"),
+}
+
+
 @dataclasses.dataclass
 class ProfileData:
     """The measured terms of a model's training step: what :func:`remat.plan` reads.
 
     Bytes are on the model's device (everything on CPU), as :mod:`remat.memory` counts them.
     :class:`remat.Profile` adds the step model's answers (the peak of a plan, the floor).
+
+    The terms of one phenomenon are grouped (fields with :data:`GROUP` metadata): the
+    scratch inside operators (``scratch``), the optimizer step (``optim``) and the tensors
+    handed to blocks that a checkpoint holds (``shared``). Every numeric field, grouped or
+    not, says how ranks agree over it and what the shape fit does with it (fits it exactly,
+    bounds it, or times: :class:`Fit`).
 
     Attributes:
         blocks: one :class:`BlockCosts` per candidate block, in call order.
@@ -567,49 +677,31 @@ class ProfileData:
         grad_bytes: the gradients of one step.
         grads_kept: ``True`` when the step starts with its gradients allocated
             (``zero_grad(set_to_none=False)``, gradient accumulation).
-        optimizer: the optimizer's class name, or ``None`` (no optimizer step modelled).
-        optimizer_state_bytes: the optimizer's state after its first step.
-        optimizer_first_bytes / optimizer_later_bytes: peak bytes allocated inside
-            the first / a later ``optimizer.step()`` (state creation included).
+        optim: the optimizer step (:class:`OptimizerTerms`: its name, state and peaks).
         end_bytes / end_grads: bytes alive when backward returns (from the step's
             start), and how many of them are gradients.
         top_grads: gradient bytes alive at the end of the ``top`` window.
         chained: for each block but the last, whether the next block received a tensor
             this one returned (no code of the model between them): the blocks a span
             may join. Empty (not recorded): no spans.
-        scratch_bytes: the most memory one operator of the step's forward and backward
-            allocates and frees before it returns, which the allocator counts and
-            :mod:`remat.memory` cannot (:mod:`remat.planner.scratch`).
-        scratch_located: whether the scratch was measured per window of the step
-            (``pre_scratch``, ``top_scratch``, each block's ``fwd_scratch`` and
-            ``bwd_scratch``): the step model then adds to each term the largest scratch of
-            its window (:func:`~remat.planner.stepmodel.with_scratch`); otherwise
-            ``scratch_bytes`` to every term (profiles written before it was located).
+        scratch: the scratch inside operators (:class:`ScratchTerms`: the largest, and
+            per window of the step where it was located); :attr:`scratch_bytes` is its
+            largest.
         post: the peak (from the step's start) of the backward of the layers before the
             first block, once the first block's backward is done (the blocks' activations
             are freed by then, whatever the plan: a term no plan moves); 0 where block 0's
             backward window runs to the end of backward (profiles before it was split, or
             no input of the first block needs a gradient).
-        post_scratch: the largest scratch of one operator in that window.
-        pre_scratch / top_scratch: the largest scratch of one operator before the first
-            block / between the last block's forward and its backward (head, loss and
-            their backward).
         kept_outputs: for each block, whether the model's own code still referenced its
             output when the block after next started (a skip connection, a list of hidden
             states): a span may not hold it and the two blocks after it together (it would
             refuse the model at run time). Seen in one forward without gradients, where
             only the model's code keeps tensors. Empty: not recorded (no such limit).
-        shared_bytes: tensors the model's forward makes and passes to several blocks (an
-            attention mask, rotary tables) that die when the forward returns with every
-            block kept; a checkpointed block keeps them until its backward
-            (:func:`~remat.planner.stepmodel.checkpointed_view`).
-        shared_inputs: the bytes of the tensors handed to blocks (by storage) that die in
-            forward with every block kept, by :attr:`SharedInput.key` (the blocks that
-            received them and where they die; :func:`shared_inputs` reads them): a checkpoint
-            of any of those blocks holds them into its backward, once however many do.
+        shared: tensors handed to blocks that die in forward with every block kept
+            (:class:`SharedTerms`): a checkpointed block holds them into its backward.
         from_shapes: measured from shapes alone (a model on the meta device,
             :mod:`remat.planner.meta`), for ``device``: every tensor's bytes as on it, the
-            scratch inside operators not seen (0 unless measured since, ``scratch_located``).
+            scratch inside operators not seen (0 unless measured since, ``scratch.located``).
     """
 
     blocks: list[BlockCosts]
@@ -624,34 +716,39 @@ class ProfileData:
     static_bytes: int = dataclasses.field(default=0, metadata=MAX | FIT)
     grad_bytes: int = dataclasses.field(default=0, metadata=MAX | FIT)
     grads_kept: bool = dataclasses.field(default=False, metadata=SAME)
-    optimizer: str | None = dataclasses.field(default=None, metadata=SAME)
-    optimizer_state_bytes: int = dataclasses.field(default=0, metadata=MAX | FIT)
-    optimizer_first_bytes: int = dataclasses.field(default=0, metadata=MAX | FIT)
-    optimizer_later_bytes: int = dataclasses.field(default=0, metadata=MAX | FIT)
+    optim: OptimizerTerms = dataclasses.field(default_factory=OptimizerTerms, metadata=GROUP)
     end_bytes: int = dataclasses.field(default=0, metadata=MAX | FIT)
     end_grads: int = dataclasses.field(default=0, metadata=MAX | FIT)
     top_grads: int = dataclasses.field(default=0, metadata=MAX | FIT)
     chained: list[bool] = dataclasses.field(default_factory=list, metadata=SAME)
-    scratch_bytes: int = dataclasses.field(default=0, metadata=MAX | BOUND)
+    scratch: ScratchTerms = dataclasses.field(default_factory=ScratchTerms, metadata=GROUP)
     kept_outputs: list[bool] = dataclasses.field(default_factory=list, metadata=SAME)
-    shared_bytes: int = dataclasses.field(default=0, metadata=MAX | FIT)
-    scratch_located: bool = dataclasses.field(default=False, metadata=SAME)
-    pre_scratch: int = dataclasses.field(default=0, metadata=MAX | BOUND)
-    top_scratch: int = dataclasses.field(default=0, metadata=MAX | BOUND)
+    shared: SharedTerms = dataclasses.field(default_factory=SharedTerms, metadata=GROUP)
     post: int = dataclasses.field(default=0, metadata=MAX | FIT)
-    post_scratch: int = dataclasses.field(default=0, metadata=MAX | BOUND)
-    shared_inputs: dict[str, int] = dataclasses.field(default_factory=dict, metadata=MAX | FIT)
     from_shapes: bool = dataclasses.field(default=False, metadata=SAME)
 
     def __post_init__(self) -> None:
         self.decisions = [Decision(d) for d in self.decisions]
         self.blocks = [b if isinstance(b, BlockCosts) else BlockCosts(**b) for b in self.blocks]
+        # a group read from JSON is a dict
+        if isinstance(self.optim, dict):
+            self.optim = OptimizerTerms(**self.optim)
+        if isinstance(self.scratch, dict):
+            self.scratch = ScratchTerms(**self.scratch)
+        if isinstance(self.shared, dict):
+            self.shared = SharedTerms(**self.shared)
+
+    @property
+    def scratch_bytes(self) -> int:
+        """The largest scratch inside operators of the step (``scratch.bytes``; the name
+        profiles had before the scratch terms were grouped, kept for code that reads it)."""
+        return self.scratch.bytes
 
     @property
     def static_step_bytes(self) -> int:
         """Bytes a later step starts with: static, kept gradients, optimizer state."""
         kept = self.grad_bytes if self.grads_kept else 0
-        return self.static_bytes + kept + self.optimizer_state_bytes
+        return self.static_bytes + kept + self.optim.state_bytes
 
     @property
     def spans_may_join(self) -> list[bool]:
@@ -666,13 +763,19 @@ class ProfileData:
         return list(self.kept_outputs) if ok and self.blocks else None
 
     def to_json(self) -> str:
-        """Plain JSON."""
+        """Plain JSON, each group of terms an object of its own (``"scratch": {"bytes": ...}``)."""
         return json.dumps(dataclasses.asdict(self), indent=2)
 
     @classmethod
     def from_json(cls, text: str) -> Self:
-        """Read a profile written by :meth:`to_json`."""
-        return cls(**json.loads(text))
+        """Read a profile written by :meth:`to_json`, or by a version that wrote every term
+        at the top (``"scratch_bytes"``, ``"optimizer"``, ``"shared_inputs"``, ...): those
+        are read into their groups."""
+        data = json.loads(text)
+        for flat, (group, name) in _FLAT.items():
+            if flat in data:
+                data.setdefault(group, {})[name] = data.pop(flat)
+        return cls(**data)
 
     def save(self, path: str) -> None:
         """Write the profile to ``path`` as JSON."""
@@ -684,6 +787,44 @@ class ProfileData:
         """Read a profile saved with :meth:`save`."""
         with open(path) as fh:
             return cls.from_json(fh.read())
+
+
+def _groups(prof: ProfileData) -> list[str]:
+    return [f.name for f in dataclasses.fields(prof) if f.metadata.get("group")]
+
+
+def term_parts(prof: ProfileData) -> list[tuple[str, Any]]:
+    """The dataclasses that hold ``prof``'s terms, each with the prefix of their names: the
+    profile itself (``""``), each of its groups (:data:`GROUP`: ``"scratch."``) and each block
+    (``"blocks.0."``: its name), in that order. No number of a group is named as one of
+    :class:`BlockCosts`, so a block named as a group (``"shared"``) names no term twice.
+
+    Example:
+        >>> from remat.planner.types import ProfileData, term_parts
+        >>> prof = ProfileData(blocks=[], top=0, decisions=[], cost_unit="s", input_shapes=[])
+        >>> [prefix for prefix, _ in term_parts(prof)]
+        ['', 'optim.', 'scratch.', 'shared.']
+    """
+    return [
+        ("", prof),
+        *((f"{g}.", getattr(prof, g)) for g in _groups(prof)),
+        *((f"{b.name}.", b) for b in prof.blocks),
+    ]
+
+
+P = TypeVar("P", bound=ProfileData)
+
+
+def with_parts(prof: P, make: Callable[[str, Any], Any]) -> P:
+    """A copy of ``prof`` with each part of :func:`term_parts` replaced by ``make(prefix,
+    part)``, called in that order (the profile's own first: a copy of it with its fields
+    replaced, whose groups and blocks are then replaced in turn)."""
+    made = [make(prefix, part) for prefix, part in term_parts(prof)]
+    groups = _groups(prof)
+    n = 1 + len(groups)
+    return dataclasses.replace(  # type: ignore[no-any-return]
+        made[0], **dict(zip(groups, made[1:n])), blocks=made[n:]
+    )
 
 
 @dataclasses.dataclass
@@ -724,7 +865,7 @@ class PlanData:
             al.'s segments; ``recompute`` or ``split``: checkpointed inside it too;
             ``selective``: the policy's saved outputs handed to the span).
         scratch_bytes: what scratch inside operators adds to the predicted peak (at most
-            ``Profile.scratch_bytes``, the largest): each term of the step model with the
+            ``Profile.scratch.bytes``, the largest): each term of the step model with the
             largest scratch of its window, the largest of them is ``predicted_peak_bytes +
             scratch_bytes``, which the plan keeps within the budget.
         offloaded_spans: the spans (of ``spans``) whose input is kept in host memory

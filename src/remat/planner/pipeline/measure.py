@@ -132,7 +132,7 @@ def profile_stage(
         + received
         + grads_in
         + batch,
-        optimizer_state=freed.optimizer_state_bytes,
+        optimizer_state=freed.optim.state_bytes,
         grads=freed.grad_bytes,
         kept_keep=fwd.kept,
         output=fwd.output,
@@ -140,7 +140,7 @@ def profile_stage(
         loss=fwd.loss,
         microbatches=n,
         probe_loss=0 if last else PROBE_LOSS_BYTES,
-        optimizer_first=freed.optimizer_first_bytes,
-        optimizer_later=freed.optimizer_later_bytes,
+        optimizer_first=freed.optim.first_bytes,
+        optimizer_later=freed.optim.later_bytes,
     )
     return StageProfile(freed, kept, sizes, events, schedule, stage, stages)

@@ -106,9 +106,9 @@ A tensor the blocks receive that dies in forward with every block kept (T5's pos
 bias: the first block of a stack makes it, the others receive it and return it again) is
 held into backward by a checkpoint of any receiver, once however many hold it: alive after
 the window it dies in under ``keep`` and in the backward of every block from the last
-down to the first receiver that holds it (``Profile.shared_inputs``,
+down to the first receiver that holds it (``Profile.shared.inputs``,
 :class:`~remat.planner.types.SharedInput`; a mask the model's own code makes and passes to
-every block is ``shared_bytes``, :func:`checkpointed_view`). "Once if any" is not linear in
+every block is ``shared.bytes``, :func:`checkpointed_view`). "Once if any" is not linear in
 the decisions, so the profile's terms count it once per holding receiver (a bound: never
 low, exact with one holder), :func:`step_peak` takes the extra copies back (exact for plans
 without spans; with spans the bound), and :func:`solver_terms` also gives terms that count

@@ -16,8 +16,8 @@ scratch of an operator that runs in its window (:func:`with_scratch`):
 
 The allocator's peak of a plan is the largest of those terms (:func:`allocator_peak`); it
 is at least the tensors' peak and at most it plus the largest scratch. A profile without
-located scratch (``scratch_located`` false: written before, or measured while another
-profiler ran) adds its ``scratch_bytes`` to every term, the optimizer's included.
+located scratch (``scratch.located`` false: written before, or measured while another
+profiler ran) adds its ``scratch.bytes`` to every term, the optimizer's included.
 """
 
 from __future__ import annotations
@@ -40,19 +40,20 @@ def with_scratch(prof: P) -> P:
         >>> model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
         >>> prof = remat.profile(model, torch.randn(8, 16), timer="flops")
         >>> keep = ["keep"] * 3
-        >>> 0 <= allocator_peak(prof, keep).bytes - prof.peak(keep).bytes <= prof.scratch_bytes
+        >>> 0 <= allocator_peak(prof, keep).bytes - prof.peak(keep).bytes <= prof.scratch.bytes
         True
     """
-    if not prof.scratch_bytes:
+    scratch = prof.scratch
+    if not scratch.bytes:
         return prof
     n = len(prof.blocks)
-    if prof.scratch_located:
-        pre, top, opt, post = prof.pre_scratch, prof.top_scratch, 0, prof.post_scratch
+    if scratch.located:
+        pre, top, opt, post = scratch.pre, scratch.top, 0, scratch.post
         fwd = [b.fwd_scratch for b in prof.blocks]
         bwd = [b.bwd_scratch for b in prof.blocks]
     else:
-        pre = top = opt = post = prof.scratch_bytes
-        fwd = bwd = [prof.scratch_bytes] * n
+        pre = top = opt = post = scratch.bytes
+        fwd = bwd = [scratch.bytes] * n
     blocks = []
     for i, b in enumerate(prof.blocks):
         back = {}
@@ -74,8 +75,11 @@ def with_scratch(prof: P) -> P:
         pre=prof.pre + pre,
         top=prof.top + top,
         post=prof.post + post if prof.post else 0,
-        optimizer_first_bytes=prof.optimizer_first_bytes + opt,
-        optimizer_later_bytes=prof.optimizer_later_bytes + opt,
+        optim=dataclasses.replace(
+            prof.optim,
+            first_bytes=prof.optim.first_bytes + opt,
+            later_bytes=prof.optim.later_bytes + opt,
+        ),
     )
 
 

@@ -131,7 +131,7 @@ def budget_of(prof: ProfileData, budget: int | float | str) -> int:
     (tensors), with the static bytes and the largest scratch inside operators on top (at
     least the unchecked step's peak as the allocator counts it at ``100%``; plans count the
     scratch where it happens: :mod:`.allocator`)."""
-    scratch = prof.scratch_bytes
+    scratch = prof.scratch.bytes
     return parse_budget(
         budget, prof.static_step_bytes + scratch, unchecked_peak(prof).bytes + scratch
     )
@@ -143,7 +143,7 @@ def share_note(prof: ProfileData, budget: object, low: int) -> str:
     share that is reachable; ``""`` for a budget in bytes."""
     if not is_share(budget):
         return ""
-    scratch = prof.scratch_bytes
+    scratch = prof.scratch.bytes
     static = prof.static_step_bytes + scratch
     unchecked = unchecked_peak(prof).bytes + scratch
     fixed = low - static

@@ -19,7 +19,6 @@ from ..types import (
     SpanLike,
     StepPeak,
     Where,
-    shared_inputs,
 )
 from .segments import input_offload_cost, layout, left_in_span
 
@@ -114,9 +113,9 @@ def solver_terms(prof: ProfileData, checkpointed: bool = True) -> Terms:
     (:func:`exit_view`); where tensors are handed to several blocks, the optimistic ones
     count each by its last receiver only (:func:`shared_view`)."""
     blocks, top = list(prof.blocks), prof.top
-    if checkpointed and prof.shared_bytes:
-        blocks, top = checkpointed_view(blocks, top, prof.shared_bytes)
-    groups = shared_inputs(prof.shared_inputs)
+    if checkpointed and prof.shared.bytes:
+        blocks, top = checkpointed_view(blocks, top, prof.shared.bytes)
+    groups = prof.shared.groups
     low = shared_view(blocks, groups) if groups else blocks
     if has_exit(blocks) or has_exit(low):
         return Terms(exit_view(blocks, safe=True), top, exit_view(low, safe=False))
@@ -127,8 +126,8 @@ def plan_terms(
     prof: ProfileData, decisions: Sequence[str], spans: Sequence[SpanLike] = ()
 ) -> tuple[Sequence[BlockCosts], int]:
     """The blocks and ``top`` the model uses for a plan (see :func:`checkpointed_view`)."""
-    if prof.shared_bytes and (spans or any(d != KEEP for d in decisions)):
-        return checkpointed_view(prof.blocks, prof.top, prof.shared_bytes)
+    if prof.shared.bytes and (spans or any(d != KEEP for d in decisions)):
+        return checkpointed_view(prof.blocks, prof.top, prof.shared.bytes)
     return prof.blocks, prof.top
 
 
@@ -325,9 +324,9 @@ def step_peak(
     """
     static = prof.static_bytes
     kept = prof.grad_bytes if prof.grads_kept else 0
-    state = prof.optimizer_state_bytes
+    state = prof.optim.state_bytes
     blocks, top = plan_terms(prof, decisions, spans)
-    groups = shared_inputs(prof.shared_inputs)
+    groups = prof.shared.groups
     act, where = activation_terms(blocks, top, decisions, prof.pre, spans, groups, prof.post)
     grads_at = _grads_at(prof, where)
     base = {"static": static, "gradients": kept, "optimizer": state}
@@ -336,12 +335,12 @@ def step_peak(
         where,
         {**base, "gradients": kept + grads_at, "activations": act - grads_at},
     )
-    if prof.optimizer is None:
+    if prof.optim.name is None:
         return best
     end_act = prof.end_bytes - prof.end_grads
     grads = kept + prof.end_grads
-    first = prof.optimizer_first_bytes
-    later = prof.optimizer_later_bytes
+    first = prof.optim.first_bytes
+    later = prof.optim.later_bytes
     for c in (
         StepPeak(
             static + kept + prof.end_bytes + first,

@@ -12,7 +12,16 @@ from __future__ import annotations
 import dataclasses
 from typing import TypeVar
 
-from ..types import Decision, Measurements, ProfileData, Window, WindowKind
+from ..types import (
+    Decision,
+    Measurements,
+    OptimizerTerms,
+    ProfileData,
+    ScratchTerms,
+    SharedTerms,
+    Window,
+    WindowKind,
+)
 from .derive import derive_blocks
 
 P = TypeVar("P", bound=ProfileData)
@@ -38,17 +47,15 @@ def profile_data(m: Measurements, kind: type[P]) -> P:
         static_bytes=m.static_bytes,
         grad_bytes=m.grad_bytes,
         grads_kept=m.grads_kept,
-        optimizer=m.optimizer,
-        optimizer_state_bytes=m.optimizer_state_bytes,
-        optimizer_first_bytes=m.optimizer_first_bytes,
-        optimizer_later_bytes=m.optimizer_later_bytes,
+        optim=OptimizerTerms(
+            m.optimizer, m.optimizer_state_bytes, m.optimizer_first_bytes, m.optimizer_later_bytes
+        ),
         end_bytes=keep.end_bytes,
         end_grads=keep.end_grads,
         top_grads=keep.top_grads,
         chained=m.chained,
         kept_outputs=m.kept_outputs,
-        shared_bytes=m.shared_bytes,
-        shared_inputs=dict(m.shared_inputs),
+        shared=SharedTerms(m.shared_bytes, dict(m.shared_inputs)),
         # the same whatever the plan (every block's backward is done): the largest seen
         post=max((t.post_peak or 0 for t in m.lines.values()), default=0),
     )
@@ -69,9 +76,11 @@ def located(prof: P, scratch: dict[Window, int] | None) -> P:
     return dataclasses.replace(
         prof,
         blocks=blocks,
-        scratch_bytes=max(where.values(), default=0),
-        scratch_located=scratch is not None,
-        pre_scratch=where.get(Window(WindowKind.PRE), 0),
-        top_scratch=where.get(Window(WindowKind.TOP), 0),
-        post_scratch=where.get(Window(WindowKind.POST), 0),
+        scratch=ScratchTerms(
+            bytes=max(where.values(), default=0),
+            located=scratch is not None,
+            pre=where.get(Window(WindowKind.PRE), 0),
+            top=where.get(Window(WindowKind.TOP), 0),
+            post=where.get(Window(WindowKind.POST), 0),
+        ),
     )

@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from ..types import Decision, ProfileData, SpanLike, shared_inputs
+from ..types import Decision, ProfileData, SpanLike
 from .peak import activation_terms, plan_terms
 from .schedule import Action, Event
 from .segments import layout
@@ -102,7 +102,7 @@ def phase_terms(
     """The largest forward term and the largest backward term of one step under a plan
     (bytes above the step's start; see the module's docstring)."""
     blocks, top = plan_terms(prof, decisions, spans)
-    groups = shared_inputs(prof.shared_inputs)
+    groups = prof.shared.groups
     fwd_only = [dataclasses.replace(b, bwd_start=b.bwd_start - _AWAY) for b in blocks]
     fwd, _ = activation_terms(
         fwd_only, top - _AWAY, decisions, prof.pre, spans, groups, prof.post - _AWAY
@@ -159,7 +159,7 @@ def stage_peak(
             alive += (bwd_later if e.grads else bwd_first) - sizes.probe_loss
         if alive > best.bytes:
             best = Moment(alive, str(e))
-    if freed.optimizer is not None:
+    if freed.optim.name is not None:
         first = sizes.static + sizes.grads + sizes.optimizer_first
         later = sizes.static + sizes.optimizer_state + sizes.grads + sizes.optimizer_later
         for b, at in ((first, "optimizer.step() (first)"), (later, "optimizer.step()")):
