@@ -9,6 +9,29 @@ import pytest
 import torch
 
 
+def _pushed() -> tuple[object, int]:
+    """The saved-tensor hooks on top of autograd's stack and the torch dispatch modes pushed."""
+    return (
+        torch._C._autograd._top_saved_tensors_default_hooks(False),
+        torch._C._len_torch_dispatch_stack(),
+    )
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_pushed() -> Iterator[None]:
+    """Every test leaves autograd's saved-tensor hooks and torch's dispatch modes as it found
+    them. Something left pushed changes what later tests save, and when it is popped by the
+    garbage collector (torch's checkpoint before 2.13 leaves a failed forward's hooks pushed
+    in a suspended generator: tests/support/torch_checkpoint.py) it fails out of order in
+    whatever runs then, once inside pytest's own report code (an internal error)."""
+    before = _pushed()
+    yield
+    after = _pushed()
+    assert after[0] is before[0] and after[1] == before[1], (
+        f"the test left saved-tensor hooks or dispatch modes pushed: {before} -> {after}"
+    )
+
+
 @pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
     """One intra-op thread for a module's tests, the previous count put back after them.

@@ -16,6 +16,8 @@ import torch.utils.checkpoint as tuc
 
 import remat
 from tests.support.tensors import data
+from tests.support.torch_checkpoint import checkpoint as torch_checkpoint
+from tests.support.torch_checkpoint import rejects_a_suppressing_forward_context
 
 MM = torch.ops.aten.mm.default
 
@@ -97,6 +99,10 @@ def sac(create):
     return functools.partial(create, [MM])
 
 
+#: torch 2.13 (pytorch/pytorch#184018) raises where a context_fn suppresses the forward's error
+TORCH_REJECTS_SUPPRESSING_CONTEXT = rejects_a_suppressing_forward_context()
+
+
 # Each case: (run(ckpt, create) -> None, which raises; the type; torch's phrase; remat's help)
 def case_fewer(ckpt, create):
     forward_then_flip(ckpt, fewer_saves, early_stop=False).backward()
@@ -173,7 +179,7 @@ def case_bad_determinism_check(ckpt, create):
 
 
 def case_detach_variable(ckpt, create):
-    (tuc.detach_variable if ckpt is tuc.checkpoint else remat.detach_variable)([data(3, seed=0)])
+    (remat.detach_variable if ckpt is remat.checkpoint else tuc.detach_variable)([data(3, seed=0)])
 
 
 CASES = [
@@ -252,7 +258,9 @@ CASES = [
         "not-in-storage",
         case_not_in_storage,
         RuntimeError,
-        "encountered during backward but not found in storage",
+        # torch 2.13: "{op} encountered during backward but not found in storage"; 2.11 has
+        # a comma before "but"
+        "but not found in storage",
         "time(s) in forward",
     ),
     (
@@ -292,9 +300,15 @@ CASES = [
 )
 def test_error_has_torchs_type_and_phrase_then_remats_help(run, error, phrase, help_text):
     try:
-        with pytest.raises(error) as torch_info:
-            run(tuc.checkpoint, tuc.create_selective_checkpoint_contexts)
-        assert phrase in str(torch_info.value)  # the phrase really is torch's
+        if run is case_swallowing_context and not TORCH_REJECTS_SUPPRESSING_CONTEXT:
+            # torch before 2.13 lets the forward's own exception through; remat raises as
+            # torch 2.13 does, in its words, on every torch
+            with pytest.raises(ValueError, match="boom"):
+                run(torch_checkpoint, tuc.create_selective_checkpoint_contexts)
+        else:
+            with pytest.raises(error) as torch_info:
+                run(torch_checkpoint, tuc.create_selective_checkpoint_contexts)
+            assert phrase in str(torch_info.value)  # the phrase really is torch's
         with pytest.raises(error) as info:
             run(remat.checkpoint, remat.create_selective_checkpoint_contexts)
     finally:
@@ -408,7 +422,7 @@ def test_double_backward_over_a_selective_region_works_where_torch_refuses():
 
     plain = grads(lambda f, *a, **k: f(*a), remat.create_selective_checkpoint_contexts)
     with pytest.raises(RuntimeError):
-        grads(tuc.checkpoint, tuc.create_selective_checkpoint_contexts)
+        grads(torch_checkpoint, tuc.create_selective_checkpoint_contexts)
     ours = grads(remat.checkpoint, remat.create_selective_checkpoint_contexts)
     assert torch.equal(plain[0], ours[0]) and torch.equal(plain[1], ours[1])
 
@@ -424,7 +438,7 @@ def test_allow_cache_entry_mutation_gives_torchs_wrong_gradients():
         return x.grad, w.grad
 
     plain = grads(None, None)
-    theirs = grads(tuc.checkpoint, tuc.create_selective_checkpoint_contexts)
+    theirs = grads(torch_checkpoint, tuc.create_selective_checkpoint_contexts)
     ours = grads(remat.checkpoint, remat.create_selective_checkpoint_contexts)
     assert torch.equal(theirs[0], ours[0]) and torch.equal(theirs[1], ours[1])
     assert not torch.allclose(plain[0], ours[0])  # served the doubled value, doubled again

@@ -182,6 +182,12 @@ def test_torchs_checkpoint_inputs_are_region_inputs():
     x = torch.randn(8, 16, requires_grad=True)
     report = remat.explain(fn, x)
     inputs = [t for t in report.tensors if t.reason.value == "region input"]
+    # torch's checkpoint before 2.13 keeps the inputs through its _NoopSaveInputs, which
+    # also saves an empty placeholder of its own per call (0 bytes); 2.13's has neither
+    placeholders = 2 if hasattr(tuc, "_NoopSaveInputs") else 0
+    empty = [(t.op, t.shape, t.bytes) for t in inputs if t.shape == (0,)]
+    assert empty == [("aten.empty.memory_format", (0,), 0)] * placeholders
+    inputs = [t for t in inputs if t.shape != (0,)]
     assert len(inputs) == 1 and inputs[0].module == "MLPBlock"  # block 1's input
     assert "torch.utils.checkpoint" in inputs[0].kept_by
 

@@ -10,7 +10,9 @@ state, with the same random policy (an op list, or a function answering from
 * without checkpointing (the reference),
 * under ``remat.checkpoint`` with ``remat.create_selective_checkpoint_contexts``,
 * under ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` with torch's
-  ``create_selective_checkpoint_contexts``.
+  ``create_selective_checkpoint_contexts`` (through tests/support/torch_checkpoint.py:
+  torch before 2.13 leaves a failed forward's hooks pushed). torch before 2.13 also asks
+  the policy again in recompute, so its policy counts the recompute's calls from 0.
 
 remat must give the reference's output and gradients bit for bit, leave the
 global RNG where the reference leaves it, raise in a second backward after
@@ -61,6 +63,7 @@ import remat
 from remat import CheckpointPolicy as P
 from tests.support.differential import Outcome, assert_matches_reference, same_grads, seeded_linear
 from tests.support.simdevice import simulated_device
+from tests.support.torch_checkpoint import checkpoint as torch_checkpoint
 
 B, D = 4, 8
 KINDS = (
@@ -228,11 +231,17 @@ class Policy:
     def torch_context_fn(self, saved: list[Any], preferred: list[Any] | None = None) -> Any:
         """torch's contexts; ``saved`` collects the ops the policy saves in forward,
         ``preferred`` those it answers ``PREFER_SAVE`` for."""
-        counts: dict[Any, int] = {}
+        # torch before 2.13 asks the policy again in recompute (``ctx.is_recompute``) and
+        # takes a saved output where it answers "save" there: it must answer as in forward,
+        # so recompute counts from 0 again (2.13 and later ask in forward only).
+        counts: dict[bool, dict[Any, int]] = {False: {}, True: {}}
 
         def policy(ctx: Any, op: Any, *a: Any, **k: Any) -> Any:
-            i = counts[op] = counts.get(op, -1) + 1
+            seen = counts[ctx.is_recompute]
+            i = seen[op] = seen.get(op, -1) + 1
             answer = (op in self.ops) if self.ops is not None else decide(self.seed, op, i)
+            if ctx.is_recompute:
+                return answer
             if is_save(answer):
                 saved.append(op)
             if answer is P.PREFER_SAVE and preferred is not None:
@@ -331,7 +340,7 @@ def differential_case(seed: int) -> None:
     theirs = run_once(
         prog,
         p,
-        lambda f, x: tuc.checkpoint(
+        lambda f, x: torch_checkpoint(
             f,
             x,
             use_reentrant=False,
@@ -413,7 +422,7 @@ def nested_case(seed: int, outer_selective: bool) -> None:
 
     def theirs_inner(f, t):
         ctx = functools.partial(inner_pol.torch_context_fn, saved, preferred)
-        return tuc.checkpoint(f, t, use_reentrant=False, context_fn=ctx)
+        return torch_checkpoint(f, t, use_reentrant=False, context_fn=ctx)
 
     def ours(f, x):
         ctx = outer_pol.remat_context_fn if outer_selective else remat.noop_context_fn
@@ -421,7 +430,7 @@ def nested_case(seed: int, outer_selective: bool) -> None:
 
     def theirs(f, x):
         ctx = functools.partial(outer_pol.torch_context_fn, saved, preferred)
-        return tuc.checkpoint(
+        return torch_checkpoint(
             f, x, use_reentrant=False, context_fn=ctx if outer_selective else tuc.noop_context_fn
         )
 
@@ -484,7 +493,7 @@ def _three_ways(fn, remat_policy, torch_policy, x):
         lambda t: remat.checkpoint(
             fn, t, context_fn=functools.partial(remat.create_selective_checkpoint_contexts, remat_policy)
         ),
-        lambda t: tuc.checkpoint(
+        lambda t: torch_checkpoint(
             fn, t, use_reentrant=False,
             context_fn=functools.partial(tuc.create_selective_checkpoint_contexts, torch_policy),
         ),

@@ -750,10 +750,14 @@ class _KeptByHand:
             return v
         t: torch.Tensor = self.value
         if t._version != self.version:
+            # autograd's words for a SavedTensor changed in place (code and tests match on
+            # them, as on a torch that makes the SavedTensor), then what remat adds
             raise RuntimeError(
-                f"{self.who}: input {i} of a checkpointed region (shape {tuple(t.shape)}) was "
-                "modified in place after the forward; its recompute would be wrong. Clone "
-                "the input before changing it."
+                f"{self.who}: one of the variables needed for gradient computation has been "
+                f"modified by an inplace operation: input {i} of a checkpointed region (shape "
+                f"{tuple(t.shape)}) is at version {t._version}; expected version "
+                f"{self.version} instead. Its recompute would be wrong: clone the input "
+                "before changing it."
             )
         return t
 
