@@ -104,8 +104,8 @@ def test_readme_user_install_line_has_no_dev_extra_and_the_test_line_is_cis():
     assert user is not None and "dev" not in user.group(1).split(",")  # no ruff, no mypy
     assert tests is not None and "test" in tests.group(1).split(",")  # pytest, hypothesis
     ci = (README.parent / ".ci" / "run").read_text()
-    assert lines[1].split("&& ")[-1].split("#")[0].strip() == "python -m pytest -q"
-    assert "python3 -m pytest -q\n" in ci  # CI runs the README's test command
+    assert lines[1].split("&& ")[-1].split("#")[0].strip() == "python -m pytest -q -n 2"
+    assert "python3 -m pytest -q -n 2\n" in ci  # CI runs the README's test command
 
 
 def test_readme_states_the_supported_torch_range_of_pyproject():

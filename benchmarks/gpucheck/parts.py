@@ -122,6 +122,16 @@ def gpu_test_files(tests: Path) -> list[Path]:
     return sorted(p for p in tests.rglob("test_*.py") if "pytest.mark.gpu" in p.read_text())
 
 
+def pytest_env() -> dict[str, str]:
+    """The environment of a pytest subprocess: ``src`` first on the path, and none of the
+    variables of a pytest-xdist worker this check may run inside (a test's subprocess would
+    otherwise read as a worker: pytest-benchmark then warns, an error here)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    env.pop("PYTEST_CURRENT_TEST", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
 def part_pytest(check: Check, found: dict[str, Any], deadline: Deadline) -> None:
     """``pytest -m gpu`` in a subprocess, outcomes read from its JUnit XML."""
     files = gpu_test_files(ROOT / "tests")
@@ -130,8 +140,7 @@ def part_pytest(check: Check, found: dict[str, Any], deadline: Deadline) -> None
     cmd += [f"--junitxml={xml}", *(str(f.relative_to(ROOT)) for f in files)]
     found["command"] = " ".join(cmd[1:])
     found["files"] = [str(f.relative_to(ROOT)) for f in files]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *filter(None, [env.get("PYTHONPATH")])])
+    env = pytest_env()
     if xml.exists():
         xml.unlink()
     try:

@@ -52,7 +52,7 @@ def part_suite(check: Check, found: dict[str, Any], deadline: Deadline) -> None:
     """The default suite in shards side by side; counts per outcome, added up."""
     import torch
 
-    from .parts import junit_outcomes
+    from .parts import junit_outcomes, pytest_env
 
     found["torch"] = torch.__version__
     found["cuda_available"] = torch.cuda.is_available()
@@ -61,8 +61,7 @@ def part_suite(check: Check, found: dict[str, Any], deadline: Deadline) -> None:
     groups = shards(items, n, ROOT)
     found["command"] = "python -m pytest -q -p no:cacheprovider (in shards by file)"
     found["shards"] = len(groups)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *filter(None, [env.get("PYTHONPATH")])])
+    env = pytest_env()
     procs = []
     for i, group in enumerate(groups):
         xml = check.out / f"suite-{i}.xml"

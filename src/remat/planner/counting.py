@@ -118,6 +118,41 @@ def _tensor_bytes(tree: Any) -> tuple[int, torch.dtype | None]:
 RANDOM = ("bernoulli", "uniform", "normal", "rand", "dropout", "multinomial", "exponential")
 
 
+#: The operator classes the cost model is checked over (``benchmarks/cost_model.py``), finer
+#: than :attr:`OpCount.kind` (which picks the calibrated rate).
+CLASSES = ("matmul", "attention", "convolution", "normalisation", "pointwise", "random", "copy")
+
+_COPIES = ("copy", "clone", "cat", "stack", "index", "embedding", "gather", "scatter", "pad")
+
+
+def op_class(c: OpCount) -> str:
+    """The class of one counted call (one of :data:`CLASSES`), by its kind and ATen name.
+
+    Example:
+        >>> op_class(OpCount("aten._scaled_dot_product_flash_attention_for_cpu.default",
+        ...                  "mm", None, 1.0, 8))
+        'attention'
+        >>> op_class(OpCount("aten.native_layer_norm.default", "other", None, 0.0, 8))
+        'normalisation'
+        >>> op_class(OpCount("aten.cat.default", "other", None, 0.0, 8))
+        'copy'
+    """
+    name = c.op.split(".")[1] if c.op.count(".") >= 1 else c.op
+    if "attention" in name:
+        return "attention"
+    if c.kind == "conv":
+        return "convolution"
+    if c.kind == "mm":
+        return "matmul"
+    if c.kind == "random":
+        return "random"
+    if "norm" in name:
+        return "normalisation"
+    if any(k in name for k in _COPIES):
+        return "copy"
+    return "pointwise"
+
+
 def _kind(func: Any, flops: float) -> str:
     name = func.overloadpacket.__name__
     if flops <= 0:
