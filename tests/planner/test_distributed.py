@@ -91,3 +91,12 @@ def test_a_profile_with_the_autocast_terms_round_trips_and_differs_in_structure(
     assert set_profile_numbers(amp, ints, floats) == amp
     plain = remat.profile(model, torch.randn(8, 16, requires_grad=True), timer="flops")
     assert structure(amp) != structure(plain)  # ranks must not mix them
+
+
+def test_structure_differs_when_the_shared_block_inputs_differ(prof):
+    # numbers are combined key by key: ranks that saw other shared inputs cannot be
+    shared = dataclasses.replace(prof.shared, inputs={**prof.shared.inputs, "0,1>2": 64})
+    other = dataclasses.replace(prof, shared=shared)
+    assert structure(other) != structure(prof)
+    same_keys = dataclasses.replace(prof.shared, inputs={k: v + 8 for k, v in shared.inputs.items()})
+    assert structure(dataclasses.replace(prof, shared=same_keys)) == structure(other)

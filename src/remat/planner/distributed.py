@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .._errors import PlanError
-from .types import BlockCosts, Fit, ProfileData, term_parts, with_parts
+from .types import Fit, ProfileData, term_parts, with_parts
 
 P = TypeVar("P", bound=ProfileData)
 
@@ -163,20 +163,17 @@ def set_profile_numbers(
 def structure(prof: ProfileData) -> tuple[Any, ...]:
     """What must be the same on every rank before numbers can be combined: the fields that
     agree as ``"same"`` (the profile's, its groups' and its blocks'), and the keys of every
-    dict of the blocks' numbers."""
-    same = [
-        repr(getattr(part, f))
-        for _, part in term_parts(prof)
-        if not isinstance(part, BlockCosts)
-        for f, _ in _fields(part, "same")
-    ]
-    for b in prof.blocks:
-        same += [repr(getattr(b, f)) for f, _ in _fields(b, "same")]
+    dict of numbers among them (a block's per-decision terms, the profile's
+    ``shared.inputs``: ranks that saw other shared block inputs cannot be combined number
+    by number)."""
+    same: list[str] = []
+    for _, part in term_parts(prof):
+        same += [repr(getattr(part, f)) for f, _ in _fields(part, "same")]
         for kind in ("max", "min"):
             same += [
-                repr(sorted(map(str, getattr(b, f))))
-                for f, _ in _fields(b, kind)
-                if isinstance(getattr(b, f), dict)
+                repr(sorted(map(str, getattr(part, f))))
+                for f, _ in _fields(part, kind)
+                if isinstance(getattr(part, f), dict)
             ]
     return tuple(same)
 
@@ -192,7 +189,7 @@ def agree_profile(prof: P) -> P:
     """
     if not active():
         return prof
-    agree_same(structure(prof), "the profiled blocks and decisions")
+    agree_same(structure(prof), "the profiled blocks, decisions and shared block inputs")
     ints, floats = profile_numbers(prof)
     out = set_profile_numbers(prof, agree_max(ints), agree_max_float(floats))
     ints, floats = profile_numbers(out, "min")
