@@ -70,3 +70,17 @@ def test_autocast_counts_matmuls_in_its_dtype():
         _, counts = count_blocks(model, {"0": block}, (torch.randn(4, 8),), {})
     mm = next(c for c in counts["0"] if "addmm" in c.op)
     assert mm.dtype == torch.bfloat16 and mm.bytes == 2 * (16 + 4 * 8 + 8 * 16 + 4 * 16)
+
+
+def test_cpu_fused_attention_counts_the_flops_of_its_two_matmuls():
+    # torch's flop counter has no formula for CPU's fused kernel: counted as 0 it was priced
+    # by its bytes alone, as a pointwise call
+    from remat.planner.counting import count_call, op_class
+
+    q, k, v = (torch.randn(2, 4, 64, 16) for _ in range(3))
+    fused = count_call(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    (call,) = [c for c in fused if "attention" in c.op]
+    assert call.kind == "mm" and op_class(call) == "attention"
+    # the same attention written out: q @ k^T and the weights @ v
+    written = count_call(lambda: torch.softmax(q @ k.transpose(-1, -2) / 4, -1) @ v)
+    assert call.flops == sum(c.flops for c in written) == 4 * 2 * 4 * 64 * 64 * 16

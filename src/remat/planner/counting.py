@@ -160,6 +160,22 @@ def _kind(func: Any, flops: float) -> str:
     return "conv" if "conv" in name else "mm"
 
 
+def _cpu_flash_attention_flops(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    """FLOPs of CPU's fused attention: torch's formula for the other fused kernels (two
+    batched matmuls, ``4 * B * H * Tq * Tk * D``), which ``torch.utils.flop_counter`` does not
+    register for the CPU kernel (counted as 0 it was priced as a pointwise call by its
+    bytes: 16x cheap on a Llama block, ``docs/BENCHMARKS.md``)."""
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    return int(sdpa_flop_count(query.shape, key.shape, value.shape))
+
+
+def _extra_flops() -> dict[Any, Callable[..., int]]:
+    """FLOP formulas for operators ``torch.utils.flop_counter`` leaves out."""
+    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    return {} if op is None else {op: _cpu_flash_attention_flops}
+
+
 class _Counter(TorchDispatchMode):
     """Each operator call as ``(OpCount, op, index among the calls of that op)``."""
 
@@ -167,7 +183,7 @@ class _Counter(TorchDispatchMode):
         from torch.utils.flop_counter import flop_registry
 
         super().__init__()
-        self.registry = flop_registry
+        self.registry = {**flop_registry, **_extra_flops()}
         self.calls: list[tuple[OpCount, Any, int]] = []
         self.seen: dict[Any, int] = {}
 
