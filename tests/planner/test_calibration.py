@@ -153,3 +153,21 @@ def test_processes_calibrating_at_once_share_one_calibration(tmp_path):
     assert all(p.returncode == 0 for p in procs)
     assert len({o.strip() for o in outs}) == 1, outs
     assert len(list(tmp_path.glob("calibration-*.json"))) == 1
+
+
+def test_batch_norm_is_priced_at_its_own_rate_and_at_the_byte_rate_by_older_calibrations():
+    from remat.planner.counting import count_call
+
+    x = torch.randn(4, 8, 16, 16)
+    calls = count_call(
+        lambda: torch.nn.functional.batch_norm(x, None, None, training=True)  # statistics
+    )
+    (bn,) = [c for c in calls if "batch_norm" in c.op]
+    assert bn.kind == "norm" and bn.bytes > 0
+    with_rate = dataclasses.replace(FIXED, norm_rate=2.0**26)
+    assert with_rate.op_seconds(bn.kind, bn.flops, bn.bytes) == bn.bytes / 2.0**26
+    # a calibration made before the rate (0: not measured) prices it as a pointwise call
+    assert FIXED.norm_rate == 0.0
+    assert FIXED.op_seconds(bn.kind, bn.flops, bn.bytes) == bn.bytes / FIXED.byte_rate
+    # the calibration measures it
+    assert calibrate(CPU, torch.float32, 1).norm_rate > 0

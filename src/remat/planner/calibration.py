@@ -12,7 +12,9 @@ time on CPU with one thread, else wall time around synchronisations):
 * ``host_rate`` (on a GPU): bytes per second of a copy into pinned host memory;
 * ``mm_rate`` / ``conv_rate``: FLOPs per second of a 256x256 matmul chain and a 3x3
   convolution, ``byte_rate``: bytes per second of a mix of pointwise operators (add, mul,
-  GELU, softmax, layer norm) on 2**18 elements, ``random_rate`` of dropout's mask
+  GELU, softmax, layer norm) on 2**18 elements, ``norm_rate`` of a training-mode batch norm
+  (its statistics: about 4x dearer per byte than pointwise on a 2-core AMD EPYC) on as many
+  (0 in calibrations made before it: the byte rate), ``random_rate`` of dropout's mask
   (``bernoulli_``) on as many, counted by the same counting mode that
   counts the model (:func:`~remat.planner.counting.count_call`);
 * ``per_op``: what one tiny operator adds when its block is recomputed (dispatch,
@@ -59,7 +61,7 @@ from .counting import count_call
 
 #: Version of the micro-benchmarks: a change that moves the constants bumps it, so that old
 #: cache files are not read.
-VERSION = 2
+VERSION = 3
 
 #: Steps per octave of the grid the constants are rounded to.
 GRID = 4
@@ -80,11 +82,16 @@ class Constants:
     region: float
     selective_region: float
     host_rate: float
+    norm_rate: float = 0.0
 
     def op_seconds(self, kind: str, flops: float, moved: int) -> float:
         """The compute time of one operator call, without its per-call overhead."""
         rate = self.conv_rate if kind == "conv" else self.mm_rate
-        per_byte = self.random_rate if kind == "random" else self.byte_rate
+        per_byte = self.byte_rate
+        if kind == "random":
+            per_byte = self.random_rate
+        elif kind == "norm" and self.norm_rate:  # calibrations before it: the byte rate
+            per_byte = self.norm_rate
         return (flops / rate if flops else 0.0) + moved / per_byte
 
 
@@ -279,6 +286,7 @@ def calibrate(device: torch.device, dtype: torch.dtype, threads: int | None) -> 
             conv_rate = _rate(_convolutions(device, dtype), clock)
             byte_rate = _rate(_pointwise(device, dtype), clock, flops=False)
             random_rate = _rate(_random(device, dtype), clock, flops=False)
+            norm_rate = _rate(_batch_norm(device, dtype), clock, flops=False)
             per_op, region = _overheads(device, dtype, clock, "recompute", pointwise=True)
             recomputed_op, sel_region = _overheads(device, dtype, clock, "selective", True)
             saved_op, _ = _overheads(device, dtype, clock, "selective", pointwise=False)
@@ -296,6 +304,7 @@ def calibrate(device: torch.device, dtype: torch.dtype, threads: int | None) -> 
         region=on_grid(region),
         selective_region=on_grid(sel_region),
         host_rate=on_grid(host_rate),
+        norm_rate=on_grid(norm_rate),
     )
 
 
@@ -382,6 +391,18 @@ def _pointwise(device: torch.device, dtype: torch.dtype) -> Callable[[], Any]:
             y = f.gelu(y)
             y = f.softmax(y, dim=-1)
             return f.layer_norm(y, (1024,))
+
+    return run
+
+
+def _batch_norm(device: torch.device, dtype: torch.dtype) -> Callable[[], Any]:
+    x = torch.full((8, 32, 32, 32), 0.5, device=device, dtype=dtype)
+    mean, var = torch.zeros(32, device=device, dtype=dtype), torch.ones(32, device=device, dtype=dtype)
+    w, b = torch.ones(32, device=device, dtype=dtype), torch.zeros(32, device=device, dtype=dtype)
+
+    def run() -> Any:
+        with torch.no_grad():  # training mode: the batch's statistics, as a training step
+            return torch.nn.functional.batch_norm(x, mean, var, w, b, training=True)
 
     return run
 

@@ -35,7 +35,8 @@ from ..policies import save_matmuls
 @dataclasses.dataclass(frozen=True)
 class OpCount:
     """One operator call: ``kind`` is ``"mm"`` (matmul-like, attention), ``"conv"``
-    (convolution), ``"random"`` (draws random numbers: dropout) or ``"other"``; ``dtype`` the dtype of its first floating tensor
+    (convolution), ``"random"`` (draws random numbers: dropout), ``"norm"`` (batch norm, which
+    computes the batch's statistics) or ``"other"``; ``dtype`` the dtype of its first floating tensor
     argument (``None`` without one); ``saved`` whether the ``selective`` decision's cache
     serves it in recompute."""
 
@@ -146,7 +147,7 @@ def op_class(c: OpCount) -> str:
         return "matmul"
     if c.kind == "random":
         return "random"
-    if "norm" in name:
+    if c.kind == "norm" or "norm" in name:
         return "normalisation"
     if any(k in name for k in _COPIES):
         return "copy"
@@ -156,6 +157,8 @@ def op_class(c: OpCount) -> str:
 def _kind(func: Any, flops: float) -> str:
     name = func.overloadpacket.__name__
     if flops <= 0:
+        if "batch_norm" in name:  # the batch's statistics: dearer per byte than pointwise
+            return "norm"
         return "random" if any(r in name for r in RANDOM) else "other"
     return "conv" if "conv" in name else "mm"
 
