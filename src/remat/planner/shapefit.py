@@ -196,8 +196,9 @@ class ShapeFit:
     def _check_structure(self, size: int, prof: ProfileData) -> None:
         if _structure(prof) != self._structure:
             raise PlanError(
-                f"ShapeFit: the profile at size {size} has other blocks or decisions than the "
-                f"one at size {self.sizes[0]}; profile one model with one set of options."
+                f"ShapeFit: the profile at size {size} has other blocks or decisions (or other "
+                f"shared block inputs) than the one at size {self.sizes[0]}; profile one model "
+                "with one set of options."
             )
 
     @property

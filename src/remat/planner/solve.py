@@ -288,7 +288,8 @@ def cheaper_uniform(alloc: ProfileData, budget: int, cost: float) -> list[Decisi
     """The cheapest uniform plan (:func:`uniform_plans`) within ``budget`` under the
     allocator's terms (``alloc``: :func:`~remat.planner.stepmodel.with_scratch`) that costs
     less than ``cost`` (beyond float rounding), or ``None``: a plan the solvers return is
-    never beaten, in predicted cost, by one a user could pick by hand. The solvers search
+    never beaten, in predicted cost beyond the timing noise (:func:`plan` passes its cost
+    less that noise), by one a user could pick by hand. The solvers search
     every uniform plan too, so this only acts where their terms (a bound, under spans or an
     autocast region's end) are looser than the step model's exact peak.
 
@@ -472,7 +473,9 @@ def plan(
     if found is None:  # cannot happen when the floor fits; kept as a guard
         raise PlanError(_miss(profile, budget_bytes, low_ds, low_spans, low, checked_all))
     decisions, chosen = found
-    rival = cheaper_uniform(alloc, budget_bytes, predicted_cost(alloc.blocks, *found))
+    # a uniform plan cheaper beyond the timing noise (within it the simpler plan was chosen)
+    tolerance = _tolerance(profile, profile.decisions)
+    rival = cheaper_uniform(alloc, budget_bytes, predicted_cost(alloc.blocks, *found) - tolerance)
     if rival is not None:  # the solvers' terms bound the step's where a uniform plan is exact
         decisions, chosen = rival, []
     peak = step_peak(profile, decisions, chosen)
