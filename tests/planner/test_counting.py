@@ -84,3 +84,15 @@ def test_cpu_fused_attention_counts_the_flops_of_its_two_matmuls():
     # the same attention written out: q @ k^T and the weights @ v
     written = count_call(lambda: torch.softmax(q @ k.transpose(-1, -2) / 4, -1) @ v)
     assert call.flops == sum(c.flops for c in written) == 4 * 2 * 4 * 64 * 64 * 16
+
+
+def test_cpu_fused_attention_with_fewer_key_heads_counts_the_query_heads():
+    # grouped-query attention (Llama's key/value heads): torch 2.11's own formula refuses it
+    from remat.planner.counting import count_call
+
+    q, k = torch.randn(2, 4, 64, 16), torch.randn(2, 2, 64, 16)
+    fused = count_call(
+        lambda: torch.nn.functional.scaled_dot_product_attention(q, k, k, enable_gqa=True)
+    )
+    (call,) = [c for c in fused if "attention" in c.op]
+    assert call.flops == 4 * 2 * 4 * 64 * 64 * 16

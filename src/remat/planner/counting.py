@@ -164,13 +164,14 @@ def _kind(func: Any, flops: float) -> str:
 
 
 def _cpu_flash_attention_flops(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
-    """FLOPs of CPU's fused attention: torch's formula for the other fused kernels (two
-    batched matmuls, ``4 * B * H * Tq * Tk * D``), which ``torch.utils.flop_counter`` does not
-    register for the CPU kernel (counted as 0 it was priced as a pointwise call by its
-    bytes: 16x cheap on a Llama block, ``docs/BENCHMARKS.md``)."""
-    from torch.utils.flop_counter import sdpa_flop_count
-
-    return int(sdpa_flop_count(query.shape, key.shape, value.shape))
+    """FLOPs of CPU's fused attention, which ``torch.utils.flop_counter`` does not register
+    for the CPU kernel (counted as 0 it was priced as a pointwise call by its bytes: 16x cheap
+    on a Llama block, ``docs/BENCHMARKS.md``): its two batched matmuls, ``2 * B * H * Tq * Tk
+    * (D + Dv)`` over the query's heads (key and value may have fewer: grouped-query attention,
+    which torch 2.11's own formula refuses)."""
+    b, h, tq, d = query.shape  # the CPU kernel takes (batch, heads, length, dim)
+    tk, dv = key.shape[-2], value.shape[-1]
+    return int(2 * b * h * tq * tk * (d + dv))
 
 
 def _extra_flops() -> dict[Any, Callable[..., int]]:
