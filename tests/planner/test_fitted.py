@@ -1,6 +1,7 @@
 """Where shapes alone cannot profile a model, auto_checkpoint fits its profile from real
-profiles at a quarter and a half of the batch (remat.planner.shaped.batch_knots) instead of
-running its unchecked step (#31 item 1)."""
+profiles at two smaller batches (remat.planner.shaped.batch_pairs: the largest halvings
+whose unchecked steps are predicted within the budget) instead of running its unchecked
+step (#31 item 1)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from remat.bench.models import ModelConfig, build, example_input
 from remat.planner.inputs import Inputs
 from remat.planner.loop import Loop
 from remat.planner.progress import Progress
-from remat.planner.shaped import ProfileSource, batch_knots
+from remat.planner.shaped import ProfileSource, batch_knots, batch_pairs
 from remat.planner.shapefit import terms
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -73,7 +74,8 @@ def test_auto_checkpoint_of_a_routed_model_runs_no_step_at_the_whole_batch_unche
     with remat.memory.track() as t:  # every tensor any step inside allocates
         p = remat.auto_checkpoint(model, x, budget="80%", optimizer=opt, timer="flops")
     err = capsys.readouterr().err
-    assert "profiling real steps at batches 16, 32 and fitting batch 64" in err
+    assert "profiling real steps at batches 2, 4 and fitting batch 64" in err
+    assert "at batches 16, 32 too" in err  # within 80 %: the largest pair
     assert "Tensor.item() cannot be called on meta tensors" in err
     assert p.budget_bytes < unchecked
     static = sum(q.nbytes for q in model.parameters()) + x.nbytes
@@ -81,15 +83,51 @@ def test_auto_checkpoint_of_a_routed_model_runs_no_step_at_the_whole_batch_unche
     assert remat.measure_peak(model, x, optimizer=opt) == p.predicted_peak_bytes
 
 
-def test_a_batch_too_small_to_halve_twice_is_profiled_at_the_whole_batch_and_says_so(capsys):
+def test_a_low_budget_profiles_smaller_batches_and_no_step_holds_more_than_it(capsys):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Routed() for _ in range(16)])
+    x = torch.randn(1024, 16, requires_grad=True)
+    half = remat.measure_peak(model, x[:512].detach().requires_grad_())
+    with remat.memory.track() as t:  # every tensor any step inside allocates
+        p = remat.auto_checkpoint(model, x, budget="35%", timer="flops")
+    err = capsys.readouterr().err
+    static = sum(q.nbytes for q in model.parameters()) + x.nbytes
+    assert half > p.budget_bytes  # the quarter-and-half pair's unchecked step: over it
+    assert "at batches 256, 512" not in err and "at batches 128, 256 too" in err
+    assert static + t.peak_bytes <= p.budget_bytes  # every step inside: within the budget
+    assert remat.measure_peak(model, x) <= p.budget_bytes
+
+
+def test_a_batch_of_four_to_seven_is_fitted_from_batches_of_two_and_three(capsys):
     model, x = _routed()
-    remat.auto_checkpoint(model, x[:4].detach(), budget="100%", timer="flops")
+    remat.auto_checkpoint(model, x[:6].detach().clone(), budget="100%", timer="flops")
+    err = capsys.readouterr().err
+    assert "profiling real steps at batches 2, 3 and fitting batch 6" in err
+
+
+def test_a_batch_too_small_to_cut_is_profiled_at_the_whole_batch_and_says_so(capsys):
+    model, x = _routed()
+    remat.auto_checkpoint(model, x[:3].detach(), budget="100%", timer="flops")
     err = capsys.readouterr().err
     assert "profiling real steps, the unchecked step among them" in err
 
 
-def test_batch_knots_are_a_quarter_and_a_half_of_at_least_two():
+@pytest.mark.parametrize("batch", [4, 5, 7])
+def test_a_gpt_profile_fitted_from_batches_of_two_and_three_equals_the_real_one(batch):
+    cfg = ModelConfig(layers=2, d_model=32, seq=32, batch=batch, heads=4, vocab=64)
+    model, x = build(cfg), example_input(cfg)
+    opt = torch.optim.AdamW(model.parameters())
+    fitted = _fitted(model, x, Loop(opt, timer="flops"), "a test")
+    real = remat.profile(model, x, optimizer=opt, timer="flops")
+    assert _byte_terms(fitted) == _byte_terms(real)
+
+
+def test_batch_pairs_are_consecutive_halvings_of_at_least_two():
+    assert batch_pairs((torch.zeros(64, 3),)) == [(2, 4), (4, 8), (8, 16), (16, 32)]
+    assert batch_pairs((torch.zeros(9, 3), torch.zeros(9))) == [(2, 4)]
+    assert batch_pairs((torch.zeros(7, 3),)) == [(2, 3)]
+    assert batch_pairs((torch.zeros(4, 3),)) == [(2, 3)]
+    assert batch_pairs((torch.zeros(3, 3),)) == []
+    assert batch_pairs((3, "no tensors")) == []
     assert batch_knots((torch.zeros(64, 3),)) == [16, 32]
-    assert batch_knots((torch.zeros(9, 3), torch.zeros(9))) == [2, 4]
-    assert batch_knots((torch.zeros(7, 3),)) is None
-    assert batch_knots((3, "no tensors")) is None
+    assert batch_knots((torch.zeros(3, 3),)) is None

@@ -312,10 +312,15 @@ def auto_checkpoint(
     bytes either). Where shapes alone cannot profile the model (shapes that depend on values,
     as a mixture of experts' routing; a model sharded by FSDP2 or wrapped in DDP;
     ``timer="measured"``; CPU's recurrent kernels, ``nn.LSTM``/``nn.GRU``, under autocast)
-    the model is profiled in real steps (this is said): at a quarter and a half of the batch
-    (dimension 0 of the inputs, 8 or more), the whole batch's profile fitted from those
-    (:func:`remat.planner.shaped.batch_knots`), so that no step holds the unchecked step's
-    bytes; for a smaller batch, as :func:`remat.profile` does, which runs the unchecked step.
+    the model is profiled in real steps (this is said) at two smaller batches (dimension 0
+    of the inputs, 4 or more) and the whole batch's profile fitted from them
+    (:func:`remat.planner.shaped.batch_pairs`), so that no step holds the unchecked step's
+    bytes: first at batches 2 and 4 (2 and 3 for a batch under 8), then at the largest
+    halvings of the batch (up to a quarter and a half) whose unchecked steps that first fit
+    predicts within the budget, which the fit is made from. So no profiling step holds more
+    than the budget unless the smallest pair's unchecked step already does (a low budget and
+    a batch under about 16: the numbers are said). A batch under 4 is profiled as
+    :func:`remat.profile` does, which runs the unchecked step.
     A model on the meta device is planned and the plan applied, with no real step.
     Each stage is said on standard error unless ``quiet``.
 
@@ -438,7 +443,10 @@ def auto_checkpoint(
             f"model's tensors are on {device_of(model, (args, kwargs))}: leave device out."
         )
     if profile is None:
-        source = ProfileSource(model, loop, agree=agree, device=device, say=say, within=True)
+        source = ProfileSource(
+            model, loop, agree=agree, device=device, say=say,
+            within=lambda whole: budget_of(whole, budget),
+        )
         prof = source(inputs)
     else:
         check_profile_matches(profile, model, inputs, loop)

@@ -28,12 +28,13 @@ from .._errors import PlanError
 from .._modelinfo import device_of
 from .._tree import tensors_in
 from . import measure
-from .distributed import agree_same
+from .distributed import agree_min, agree_same
 from .fake import fake_twin, on_fake
 from .inputs import Inputs
 from .loop import Loop
 from .meta import AutocastInForward, is_meta, on_meta, twin
 from .progress import Progress
+from .render import fmt_bytes
 from .shapefit import ShapeFit
 from .solve import Profile
 from .stepmodel import located
@@ -76,8 +77,10 @@ class ProfileSource:
         device: for a model on the meta device, the device it will train on.
         say: where each profile is said.
         within: where shapes alone cannot profile the model, fit its profile from real
-            profiles at smaller batches (:func:`batch_knots`) rather than run its unchecked
-            step, where the batch allows.
+            profiles at smaller batches (:func:`batch_pairs`) rather than run its unchecked
+            step, where the batch allows: ``True``, at the largest pair; a callable (the
+            budget in bytes of a whole-batch profile), at the largest pair whose unchecked
+            steps are predicted within that budget.
     """
 
     def __init__(
@@ -88,7 +91,7 @@ class ProfileSource:
         agree: bool,
         device: str | torch.device | None,
         say: Progress,
-        within: bool = False,
+        within: bool | Callable[[Profile], int] = False,
     ) -> None:
         self.model, self.loop, self.device, self.say = model, loop, device, say
         self.agree, self.within = agree, within
@@ -161,26 +164,81 @@ class ProfileSource:
         return measure.profile_loop(self.model, inputs, loop)
 
     def _fitted(self, inputs: Inputs, loop: Loop) -> Profile | None:
-        """The profile at ``inputs`` fitted from real profiles at smaller batches (no step of
-        them holds more than the unchecked step at half the batch), or ``None`` where the
-        batch is too small to cut or the cut batches raise; see :func:`batch_knots`."""
+        """The profile at ``inputs`` fitted from real profiles at two smaller batches (never
+        the unchecked step at the whole batch), or ``None`` where the batch is too small to
+        cut or the cut batches raise; see :func:`batch_pairs`.
+
+        With a budget (``within`` a callable: the budget in bytes of a whole-batch profile)
+        the smallest pair is profiled first, the budget read from its fit, and the largest
+        pair whose unchecked steps that fit predicts within the budget (each with the whole
+        batch's inputs alive beside it) is profiled and fitted instead, where it is larger:
+        no step holds more than the budget unless the smallest pair's already does."""
         args = (inputs.args, inputs.kwargs)
-        knots = batch_knots(args)
-        if knots is None:
+        pairs = batch_pairs(args)
+        if not pairs:
             return None
         batch = _batch()
         largest = batch.size_of(args)
+        budgeted = callable(self.within) and len(pairs) > 1
+        first = pairs[0] if budgeted else pairs[-1]
         if self.agree:  # every rank profiles the same sizes, in lockstep
-            agree_same(knots, "the batch sizes profiled")
+            agree_same(pairs, "the batch sizes profiled")
         self.say(
-            f"profiling real steps at batches {', '.join(map(str, knots))} and fitting batch "
+            f"profiling real steps at batches {first[0]}, {first[1]} and fitting batch "
             f"{largest} from them (never the unchecked step at {largest}): {self.why}"
         )
-        profiles = {}
+        profiles: dict[int, Profile] = {}
+        prof = self._fit_pair(first, args, largest, loop, profiles)
+        if prof is None or not budgeted:
+            return prof
+        within = self.within
+        assert callable(within)
+        target = within(prof)
+        cut = _cut_bytes(args, largest)
+        fit = ShapeFit({n: profiles[n] for n in first})
+        fitting = [
+            i
+            for i, (_, b) in enumerate(pairs)
+            if (p := fit.at(b)).unchecked_peak_bytes + p.scratch.bytes + cut <= target
+        ]
+        best = fitting[-1] if fitting else 0
+        if not fitting:
+            held = fit.at(first[1])
+            self.say(
+                f"the unchecked step at batch {first[1]} held up to "
+                f"{fmt_bytes(held.unchecked_peak_bytes + held.scratch.bytes + cut)} with the "
+                f"whole batch's inputs, above the budget {fmt_bytes(target)}: no smaller "
+                "batch is cut"
+            )
+        if self.agree:  # the ranks' fits may differ by their inputs: the smallest pair of all
+            (best,) = agree_min([best])
+        if best == 0:
+            return prof
+        pair = pairs[best]
+        self.say(
+            f"profiling real steps at batches {pair[0]}, {pair[1]} too (their unchecked steps "
+            f"predicted within the budget {fmt_bytes(target)}), and fitting batch {largest} "
+            "from them"
+        )
+        return self._fit_pair(pair, args, largest, loop, profiles) or prof
+
+    def _fit_pair(
+        self,
+        pair: tuple[int, int],
+        args: tuple[Any, Any],
+        largest: int,
+        loop: Loop,
+        profiles: dict[int, Profile],
+    ) -> Profile | None:
+        """The profile at the whole batch ``largest`` fitted from real profiles at the two
+        sizes of ``pair`` (kept in ``profiles``), or ``None`` (said) where a cut batch raises
+        or the two do not fit one profile."""
+        batch = _batch()
         try:
-            for n in knots:
-                a, k = batch.cut(args, largest, n)
-                profiles[n] = measure.profile_loop(self.model, Inputs(*a, **k), loop)
+            for n in pair:
+                if n not in profiles:
+                    a, k = batch.cut(args, largest, n)
+                    profiles[n] = measure.profile_loop(self.model, Inputs(*a, **k), loop)
         except NOT_FROM_SHAPES as e:
             if self.agree:
                 raise  # the other ranks would wait for this one's next step
@@ -188,7 +246,7 @@ class ProfileSource:
             self.say(f"a cut batch raised ({type(e).__name__}: {first})")
             return None
         try:
-            prof = ShapeFit(profiles).at(largest)
+            prof = ShapeFit({n: profiles[n] for n in pair}).at(largest)
         except PlanError as e:  # other blocks or decisions at the two sizes
             self.say(f"the cut batches do not fit one profile ({str(e).splitlines()[0]})")
             return None
@@ -209,28 +267,52 @@ def _batch() -> Any:
     return Shapes(dims=0)
 
 
-def batch_knots(args: object) -> list[int] | None:
-    """The batch sizes a profile of ``args`` is fitted from, where shapes alone cannot
-    profile the model: a quarter and a half of the batch (dimension 0 of the inputs), each
-    at least 2 (a batch of one takes other kernels); ``None`` where the batch is smaller than
-    8 (or no input has a batch dimension).
+def batch_pairs(args: object) -> list[tuple[int, int]]:
+    """The pairs of batch sizes a profile of ``args`` may be fitted from, where shapes alone
+    cannot profile the model, smallest first: consecutive halvings of the batch (dimension
+    0 of the inputs; a half, a quarter, ... each at least 2, as a batch of one takes other
+    kernels), or ``(2, 3)`` for a batch of 4 to 7; none below 4 (or where no input has a
+    batch dimension).
 
     A byte term of a step is a peak: the largest of sums that each grow linearly in the
     batch where each sample's work is its own (a transformer's, a CNN's), so that past some
     batch one sum (the steepest) is the peak and the term is linear. The line through the
-    two largest sizes profiled gives the whole batch's term exactly once they are past that
-    point (``tests/planner/test_fitted.py``: a GPT and a routed MLP, exact); a term whose
-    largest sum changes between half the batch and the whole is predicted low, and the
-    plan's checked steps (real ones, at the whole batch) catch it as a budget missed.
+    two sizes profiled gives the whole batch's term exactly once they are past that point
+    (``tests/planner/test_fitted.py``: a GPT and a routed MLP, exact from a batch of 2); a
+    term whose largest sum changes between the larger size and the whole batch is predicted
+    low, and the plan's checked steps (real ones, at the whole batch) catch it as a budget
+    missed.
 
     Example:
         >>> import torch
-        >>> batch_knots((torch.zeros(16, 3),)), batch_knots((torch.zeros(4, 3),))
-        ([4, 8], None)
+        >>> batch_pairs((torch.zeros(16, 3),)), batch_pairs((torch.zeros(5, 3),))
+        ([(2, 4), (4, 8)], [(2, 3)])
     """
     try:
         largest = _batch().size_of(args)
     except ValueError:
-        return None
-    knots = sorted({n for n in (largest // 4, largest // 2) if n >= 2})
-    return knots if len(knots) == 2 else None
+        return []
+    sizes = sorted({largest >> j for j in range(1, largest.bit_length()) if largest >> j >= 2})
+    if len(sizes) < 2 and largest >= 4:
+        sizes = [2, 3]
+    return list(zip(sizes, sizes[1:]))
+
+
+def batch_knots(args: object) -> list[int] | None:
+    """The largest pair of :func:`batch_pairs` (a quarter and a half of a batch of 8 or
+    more), the sizes profiled where no budget is known; ``None`` where there is none.
+
+    Example:
+        >>> import torch
+        >>> batch_knots((torch.zeros(16, 3),)), batch_knots((torch.zeros(3, 3),))
+        ([4, 8], None)
+    """
+    pairs = batch_pairs(args)
+    return list(pairs[-1]) if pairs else None
+
+
+def _cut_bytes(args: object, largest: int) -> int:
+    """The bytes of the whole batch's tensors that a cut batch copies (alive beside it)."""
+    found: list[torch.Tensor] = []
+    tensors_in(args, found)
+    return sum(t.untyped_storage().nbytes() for t in found if t.dim() > 0 and t.shape[0] == largest)
