@@ -17,6 +17,7 @@ SRC = pathlib.Path(remat.__file__).parent
 #: The planner's modules, each importing (at module level) only those before it.
 PLANNER_LAYERS = [
     "types",
+    "regional",
     "progress",
     "render",
     "stepmodel",
@@ -39,6 +40,7 @@ PLANNER_LAYERS = [
     "calibration",
     "timing",
     "probes",
+    "compiled",
     "measure",
     "shapefit",
     "shaped",

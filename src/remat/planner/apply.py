@@ -19,6 +19,7 @@ from .._split import can_split
 from .._split import split_children as split_names
 from .._wrap import checkpoint_wrapper, offload_only, set_wrapping_state, unwrap, wrapping_state
 from ..policies import save_matmuls
+from .regional import LEVELS, check_compiled_decisions, compile_block, uncompile
 from .types import Decision, PlanData
 
 
@@ -28,9 +29,10 @@ def split_children(module: nn.Module) -> list[nn.Module]:
     return [module.get_submodule(n) for n in split_names(module)]
 
 
-def apply_decision(module: nn.Module, decision: str) -> None:
+def apply_decision(module: nn.Module, decision: str, compiled: bool = False) -> None:
     """Make ``module`` run as ``decision`` (a :class:`~remat.planner.types.Decision`) says,
-    in place."""
+    in place; with ``compiled``, its forward compiled at the partitioner budget the decision
+    means (:data:`~remat.planner.regional.LEVELS`)."""
     try:
         decision = Decision(decision)
     except ValueError:
@@ -38,6 +40,11 @@ def apply_decision(module: nn.Module, decision: str) -> None:
             f"unknown decision {decision!r}; expected one of {[d.value for d in Decision]}."
         ) from None
     unwrap(module)
+    uncompile(module)
+    if compiled:
+        check_compiled_decisions([decision], "Plan.apply")
+        compile_block(module, LEVELS[decision])
+        return
     for child in split_children(module):
         unwrap(child)
     if decision == "split":
@@ -88,7 +95,7 @@ def apply_plan(plan: PlanData, model: nn.Module) -> nn.Module:
     for name, decision in plan.decisions.items():
         module = _find(model, name)
         assert module is not None
-        apply_decision(module, "keep" if name in in_span else decision)
+        apply_decision(module, "keep" if name in in_span else decision, plan.compiled)
     offloaded = {first for first, _ in plan.offloaded_spans}
     for members in spans:
         inner = plan.decisions[members[0]]

@@ -23,12 +23,14 @@ from ..memory import BlockHooks
 from . import advice
 from .apply import restore_state, snapshot_state
 from .checks import check_options
+from .compiled import allocator_peak, profiled
 from .distributed import active, agree_max, agree_min, agree_profile, agree_same
 from .inputs import Inputs, model_inputs
 from .loop import Loop, Step
 from .meta import check_not_mixed, is_meta
 from .probes import WindowMarks
 from .progress import Progress
+from .regional import compiled_level
 from .render import fmt_bytes
 from .scratch import mark_window, window_scratch
 from .shaped import ProfileSource
@@ -73,7 +75,10 @@ def step_peaks(
     check_options(
         "remat.measure_peak", optimizer=optimizer, set_to_none=set_to_none, loss_fn=loss_fn
     )
-    loop = Loop(optimizer=optimizer, set_to_none=set_to_none, loss_fn=loss_fn)
+    # blocks compiled by a compiled plan: measured at the allocator (the tracker cannot see
+    # compiled kernels)
+    compiled = any(compiled_level(m) is not None for m in model.modules())
+    loop = Loop(optimizer=optimizer, set_to_none=set_to_none, loss_fn=loss_fn, compile=compiled)
     return loop_peaks(model, Inputs(*args, **kwargs), loop, steps)[0]
 
 
@@ -88,7 +93,9 @@ def loop_peaks(
     ``scratch_of`` (the blocks' names in call order) the scratch inside operators of each
     window of the last step, which then also runs under ``torch.profiler``
     (:func:`~.measure.plan_scratch`'s record; the optimizer's step apart): one real step
-    fewer than measuring it on its own. Without ``scratch_of`` the scratch is ``None``."""
+    fewer than measuring it on its own. Without ``scratch_of`` the scratch is ``None``. With
+    ``loop.compile`` each step's peak is the allocator's (:mod:`.compiled`), scratch inside
+    kernels included, and no scratch is measured apart."""
     step = Step(model, inputs, loop, where="remat.measure_peak")
     state, optimizer, counted = step.state, loop.optimizer, step.counted
     peaks: list[int] = []
@@ -107,6 +114,10 @@ def loop_peaks(
                 + storage_bytes(optimizer_tensors(optimizer), counted)
             )
             step.begin()
+            if loop.compile:  # compiled kernels: the allocator's events (scratch included)
+                events = profiled(lambda: step.run(optimizer_step=True))
+                peaks.append(base + allocator_peak(events, step.device))
+                continue
             with memory.track(counted) as tracker:
                 tracker.watch(storages)
                 if scratch_of is not None and len(peaks) == steps - 1:
@@ -260,6 +271,7 @@ def auto_checkpoint(
     distributed: bool | None = None,
     diagnose: bool = False,
     shapes: None = None,
+    compile: bool = False,
     **kwargs: Any,
 ) -> Plan: ...
 
@@ -278,6 +290,7 @@ def auto_checkpoint(
     profile: Profile | None = None,
     distributed: bool | None = None,
     shapes: Shapes,
+    compile: bool = False,
     **kwargs: Any,
 ) -> ShapePlans: ...
 
@@ -297,6 +310,7 @@ def auto_checkpoint(
     diagnose: bool = False,
     shapes: Shapes | None = None,
     device: str | torch.device | None = None,
+    compile: bool = False,
     **kwargs: Any,
 ) -> Plan | ShapePlans:
     """Profile, plan for ``budget``, apply in place, and check real steps.
@@ -386,6 +400,15 @@ def auto_checkpoint(
             :mod:`remat.planner.shapes`; ``profile`` is then unused.
         device: for a model on the meta device: the device it will train on (see
             :func:`remat.profile`); ``None``: CPU.
+        compile: compiled plans: each candidate block compiled on its own
+            (``torch.compile``), the plan choosing per block the partitioner's activation
+            budget (``keep`` 1.0, ``selective`` 0.5, ``recompute`` 0.0) for the byte budget of
+            the whole step; see :func:`remat.profile`'s ``compile`` and
+            :mod:`remat.planner.regional`. The profile runs real steps of the compiled
+            blocks (each level compiled once per block class and shapes: the first call
+            takes the compile time), timed; the checked steps are measured at the allocator
+            (kernels' scratch included). The plan leaves the blocks compiled; the rest of the
+            model is not compiled. Not with ``shapes`` or on the meta device yet.
         **kwargs: keyword inputs of the model.
 
     Returns:
@@ -423,7 +446,14 @@ def auto_checkpoint(
             f"remat.auto_checkpoint: profile= must be a remat.Profile (from remat.profile), "
             f"got {type(profile).__name__}. Pass the profile of this model, or None to profile now."
         )
-    loop = Loop(optimizer, set_to_none, loss_fn, check_fn, timer, distributed)
+    if not isinstance(compile, bool):
+        raise TypeError(f"remat.auto_checkpoint: compile must be True or False, got {compile!r}.")
+    if compile and (shapes is not None or is_meta(model, (args, kwargs))):
+        raise ValueError(
+            "remat.auto_checkpoint: compile=True plans the compiled blocks of a real model at "
+            "one batch shape: leave shapes= out, and build the model on its device."
+        )
+    loop = Loop(optimizer, set_to_none, loss_fn, check_fn, timer, distributed, compile)
     agree = active(distributed)
     inputs = Inputs(*args, **kwargs)
     if shapes is not None:

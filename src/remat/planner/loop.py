@@ -45,6 +45,8 @@ class Loop:
         timer: the cost measure, ``"time"``, ``"measured"`` or ``"flops"``.
         distributed: whether the ranks of a process group profile and plan together
             (``None``: when one of two or more ranks is initialized).
+        compile: each block compiled on its own, the decisions the partitioner's budgets
+            (:mod:`remat.planner.regional`).
 
     Example:
         >>> loop = Loop(set_to_none=False, timer="flops")
@@ -58,6 +60,7 @@ class Loop:
     check_fn: Callable[[str, nn.Module], bool] | None = None
     timer: str = "time"
     distributed: bool | None = None
+    compile: bool = False
 
     def keywords(self) -> dict[str, Any]:
         """The options as the keywords of :func:`remat.auto_checkpoint` and

@@ -30,6 +30,7 @@ the scratch is) is read from it by :func:`remat.planner.stepmodel.profile_data`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,6 +53,7 @@ from .amp import outside
 from .apply import apply_decision, restore_state, snapshot_state
 from .calibration import make_clock
 from .checks import TIMERS, check_options
+from .compiled import AllocatorTimeline, profiled
 from .distributed import active, agree_profile, agree_same
 from .fake import fake_mode_of, fake_steps
 from .inputs import Inputs, model_inputs
@@ -73,6 +75,7 @@ from .probes import (
     offload_inputs,
 )
 from .progress import bar
+from .regional import LEVELS, check_compiled_decisions
 from .scratch import window_scratch
 from .sharded import is_ddp, reshard, unsharded_storages
 from .solve import Profile
@@ -110,6 +113,7 @@ def profile(
     distributed: bool | None = None,
     device: str | torch.device | None = None,
     calibration: str | None = None,
+    compile: bool = False,
     **kwargs: Any,
 ) -> Profile:
     """Measure a training step and each candidate block under each decision.
@@ -194,6 +198,18 @@ def profile(
             name (``"NVIDIA H200"``) or a file saved by
             :func:`remat.planner.calibration.save`, to price a plan for a device this
             machine does not have (``benchmarks/gpu_check.py`` saves the GPU's).
+        compile: each candidate block compiled on its own (``torch.compile``, regional
+            compilation: :mod:`remat.planner.regional`), a decision the partitioner's
+            activation budget for it: ``keep`` 1.0, ``selective`` 0.5, ``recompute`` 0.0 (the
+            default decisions; ``offload`` and ``split`` are not planned, nor spans). Each
+            level is compiled in a warm-up step of its own (once per block class and
+            shapes), then its step measured at the allocator
+            (:mod:`remat.planner.compiled`: the tracker cannot see compiled kernels), so
+            every byte term is the allocator's, kernels' scratch included. Compiled
+            recompute is fused into backward and not counted work: costs are timed
+            (``timer="measured"``; ``"time"``, the default, is taken as it, ``"flops"``
+            is refused). Not from shapes (a model on the meta device) and not inside
+            ``torch.autocast``.
         **kwargs: keyword inputs of the model.
 
     Example:
@@ -215,7 +231,9 @@ def profile(
         check_fn=check_fn, timer=timer, distributed=distributed, device=device,
         repeats=repeats, threads=threads, calibration=calibration,
     )  # fmt: skip
-    loop = Loop(optimizer, set_to_none, loss_fn, check_fn, timer, distributed)
+    if not isinstance(compile, bool):
+        raise TypeError(f"remat.profile: compile must be True or False, got {compile!r}.")
+    loop = Loop(optimizer, set_to_none, loss_fn, check_fn, timer, distributed, compile)
     return profile_loop(
         model, Inputs(*args, **kwargs), loop, decisions=decisions, repeats=repeats,
         threads=threads, device=device, calibration=calibration,
@@ -247,6 +265,8 @@ def profile_loop(
         raise ValueError(f"remat.profile: repeats must be an int >= 1, got {repeats!r}.")
     check_step_options("remat.profile", loop.optimizer, loop.set_to_none)
     check_not_mixed(model, (args, kwargs), "remat.profile")
+    if loop.compile:
+        loop = _compiled_loop(model, (args, kwargs), loop)
     fake = fake_mode_of(model, (args, kwargs))
     shaped = fake is not None or is_meta(model, (args, kwargs))
     if fake is not None:  # a fake twin: the device its tensors report
@@ -276,7 +296,15 @@ def profile_loop(
         )
     names = candidates(model, loop.check_fn)
     blocks = {n: model.get_submodule(n) for n in names}
-    chosen = _decisions(model, args, kwargs, blocks, decisions, shaped)
+    if loop.compile:
+        chosen = [Decision(d) for d in (decisions or list(LEVELS))]
+        check_compiled_decisions(chosen, "remat.profile")
+        if Decision.KEEP not in chosen:
+            raise ValueError(
+                f"remat.profile: decisions must include 'keep', got {list(decisions or [])}."
+            )
+    else:
+        chosen = _decisions(model, args, kwargs, blocks, decisions, shaped)
     agree = active(loop.distributed)
     if agree:  # before any step: ranks that would run different steps would hang
         agree_same((names, [str(d) for d in chosen], repeats, timer), "the blocks, decisions and steps")
@@ -301,6 +329,26 @@ def profile_loop(
             "by itself for a real model)."
         ) from e
     return agree_profile(prof) if agree else prof
+
+
+def _compiled_loop(model: nn.Module, args: Any, loop: Loop) -> Loop:
+    """``loop`` for a compiled profile, its options checked: timed costs."""
+    if is_meta(model, args) or fake_mode_of(model, args) is not None:
+        raise ValueError(
+            "remat.profile: compile=True measures compiled kernels on the device, and a model "
+            "on the meta device (or of fake tensors) runs none: profile the real model."
+        )
+    if any(torch.is_autocast_enabled(t) for t in ("cpu", "cuda")):
+        raise ValueError(
+            "remat.profile: compile=True is not planned inside torch.autocast yet: profile "
+            "outside the region, or without compile=True."
+        )
+    if loop.timer == "flops":
+        raise ValueError(
+            "remat.profile: compile=True with timer='flops': compiled recompute is fused into "
+            "backward, not counted work; use timer='measured' (or leave timer out)."
+        )
+    return dataclasses.replace(loop, timer="measured")
 
 
 def _profile(
@@ -416,6 +464,7 @@ def _measure_steps(
     """:func:`_measure`'s steps; ``tick()`` after each."""
     model, names, modules = step.model, list(blocks), list(blocks.values())
     timer, optimizer = step.loop.timer, step.loop.optimizer
+    compiled = step.loop.compile  # the allocator's bytes: no scratch step of its own
     n = len(names)
     calls = CallCount(names)
     with BlockHooks(modules, calls):
@@ -444,8 +493,8 @@ def _measure_steps(
             apply_decision(blocks[nm], KEEP)
     # From shapes no scratch is seen (Profile.from_shapes), and no step is run for it: the
     # warm-up's gradients are those the scratch step would leave (the same bytes).
-    scratch = None
-    if step.target is None:
+    scratch: dict[Window, int] | None = {} if compiled else None
+    if step.target is None and not compiled:
         step.clear_grads()
         with BlockHooks(modules, WindowMarks(n)):
             scratch = window_scratch(step, step.device)
@@ -466,13 +515,22 @@ def _measure_steps(
     for d in decisions:
         for nm, mod in blocks.items():  # a block that cannot split is recomputed meanwhile
             if nm in calls.mutating:
-                apply_decision(mod, KEEP)
+                apply_decision(mod, KEEP, compiled)
             else:
-                apply_decision(mod, RECOMPUTE if d is SPLIT and nm not in splittable else d)
+                apply_decision(
+                    mod, RECOMPUTE if d is SPLIT and nm not in splittable else d, compiled
+                )
+        if compiled:  # compiles this level (once per block class and shapes), unmeasured
+            step.clear_grads()
+            step()
         step.clear_grads()
         # the selective step for what the head frees of the last block's output: what its
         # cache holds of it the head cannot free (derive_blocks)
-        line, frees = _memory_step(step, modules, storages, d in (*HELD_LINES, SELECTIVE))
+        sees = d in (*HELD_LINES, SELECTIVE)
+        if compiled:
+            line, frees = _allocator_step(step, modules, sees)
+        else:
+            line, frees = _memory_step(step, modules, storages, sees)
         lines[d] = line
         if frees is not None:
             head_freed[d] = frees.freed[-1]
@@ -546,6 +604,7 @@ def _measure_steps(
         chained=calls.chained,
         kept_outputs=kept,
         scratch=scratch,
+        compiled=compiled,
     )
 
 
@@ -588,6 +647,35 @@ def _memory_step(
         if found is not None:
             found.remove()
     return timeline.line, found
+
+
+def _allocator_step(
+    step: Step,
+    modules: list[nn.Module],
+    frees: bool,
+) -> tuple[Timeline, InputFrees | None]:
+    """One step under ``torch.profiler``: its timeline from the allocator's events
+    (:class:`~.compiled.AllocatorTimeline`: what compiled blocks allocate, which the tracker
+    cannot see), and with ``frees`` the :class:`InputFrees` it saw."""
+    found = InputFrees(step.model, len(modules), step.inputs) if frees else None
+    hooks = BlockHooks(modules, found) if found is not None else None
+    params = step.state.grad_params if step.loop.set_to_none else []
+
+    def inputs(args: Any) -> int:
+        got: list[torch.Tensor] = []
+        tensors_in(args, got)  # the positional inputs (keyword ones are not a block's own)
+        return storage_bytes(got, step.counted)
+
+    probe = AllocatorTimeline(len(modules), lambda: grad_bytes(params, step.counted), inputs)
+    try:
+        with BlockHooks(modules, probe):
+            events = profiled(lambda: step(probe.finish))
+    finally:
+        if hooks is not None:
+            hooks.remove()
+        if found is not None:
+            found.remove()
+    return probe.line(events, step.device), found
 
 
 def _offloads(model: nn.Module, args: Any) -> bool:

@@ -56,7 +56,7 @@ def _range(name: str) -> Any:
 
 
 @contextlib.contextmanager
-def _quiet_native_stderr() -> Iterator[None]:
+def quiet_native_stderr() -> Iterator[None]:
     """Silence what native code prints to file descriptor 2 (some builds log profiler
     start and stop there); Python's own stderr is flushed first and works as before after."""
     sys.stderr.flush()
@@ -128,7 +128,7 @@ def window_scratch(run: Callable[[], None], device: torch.device) -> dict[Window
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _quiet_native_stderr(), warnings.catch_warnings():
+    with quiet_native_stderr(), warnings.catch_warnings():
         # torch 2.11 with CUDA warns that a profiler's events last one cycle: this one
         # runs one cycle, and pytest's filterwarnings=error must not fail on it
         warnings.filterwarnings("ignore", message=".*Profiler clears events", category=UserWarning)
@@ -137,12 +137,32 @@ def window_scratch(run: Callable[[], None], device: torch.device) -> dict[Window
         with _MarkOperators():
             run()
     finally:
-        with _quiet_native_stderr():
+        with quiet_native_stderr():
             prof.__exit__(None, None, None)
     results = None if prof.profiler is None else prof.profiler.kineto_results
     if results is None:  # the profiler collected nothing (not expected)
         return {}
     return scratch_by_window(list(results.events()), device)
+
+
+def parse_marks(
+    events: list[Any], device: torch.device
+) -> tuple[list[tuple[int, int]], list[tuple[int, Window]]]:
+    """From profiler ``events``: the allocator events of ``device`` as ``(time, bytes)``
+    (a free's bytes negative) and the window marks (:func:`mark_window`) as ``(time,
+    window)``, each in time order."""
+    kind = device.type.upper()
+    index = -1 if device.type == "cpu" else (device.index if device.index is not None else 0)
+    allocs = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in events
+        if e.name() == "[memory]"
+        and e.device_type().name == kind
+        and (device.type == "cpu" or e.device_index() == index)
+    )
+    marks = sorted((e.start_ns(), e.name()[len(_WINDOW) :]) for e in events
+                   if e.name().startswith(_WINDOW))  # fmt: skip
+    return allocs, [(t, Window.parse(label)) for t, label in marks]
 
 
 def largest_scratch(events: list[Any], device: torch.device) -> int:
@@ -153,20 +173,10 @@ def largest_scratch(events: list[Any], device: torch.device) -> int:
 def scratch_by_window(events: list[Any], device: torch.device) -> dict[Window, int]:
     """The largest scratch of one marked operator in profiler ``events`` per window (see
     :func:`window_scratch`)."""
-    kind = device.type.upper()
-    index = -1 if device.type == "cpu" else (device.index if device.index is not None else 0)
-    allocs = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in events
-        if e.name() == "[memory]"
-        and e.device_type().name == kind
-        and (device.type == "cpu" or e.device_index() == index)
-    )
+    allocs, marks = parse_marks(events, device)
     times = [t for t, _ in allocs]
-    marks = sorted((e.start_ns(), e.name()[len(_WINDOW) :]) for e in events
-                   if e.name().startswith(_WINDOW))  # fmt: skip
     starts = [t for t, _ in marks]
-    windows = [Window.parse(label) for _, label in marks]
+    windows = [w for _, w in marks]
     out: dict[Window, int] = {}
     for e in events:
         if e.name() != _MARK:

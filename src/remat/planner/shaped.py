@@ -43,8 +43,10 @@ from .stepmodel import located
 NOT_FROM_SHAPES = (RuntimeError, NotImplementedError, TypeError, ValueError)
 
 
-def no_shapes(model: nn.Module, timer: str, agree: bool) -> str | None:
+def no_shapes(model: nn.Module, timer: str, agree: bool, compile: bool = False) -> str | None:
     """Why a real model is not profiled from shapes (``None``: it is)."""
+    if compile:
+        return "compile=True measures compiled kernels in real steps"
     if timer == "measured":
         return "timer='measured' times real steps"
     if agree:
@@ -97,7 +99,7 @@ class ProfileSource:
         self.agree, self.within = agree, within
         self.meta = is_meta(model, ())
         #: why profiles are of real steps (``None``: from shapes)
-        self.why = None if self.meta else no_shapes(model, loop.timer, agree)
+        self.why = None if self.meta else no_shapes(model, loop.timer, agree, loop.compile)
         self._twin: tuple[nn.Module, torch.optim.Optimizer | None, FakeTensorMode | None] | None
         self._twin = None
 
@@ -156,7 +158,7 @@ class ProfileSource:
                 first = str(cause).splitlines()[0] if str(cause) else ""
                 self.why = f"shapes alone do not profile it ({type(cause).__name__}: {first})"
                 self._twin = None
-        if self.within:
+        if self.within and not self.loop.compile:  # a compile per cut batch: not worth it
             fitted = self._fitted(inputs, loop)
             if fitted is not None:
                 return fitted

@@ -431,8 +431,13 @@ def plan(
             "Pass solver='auto' (or 'dp') to plan spans, or spans=False (or leave it out) "
             "for the MILP."
         )
+    if spans and profile.compiled:
+        raise ValueError(
+            "remat.plan: spans=True with a compiled profile (compile=True): spans of compiled "
+            "blocks are not planned; leave spans out."
+        )
     if spans is None:
-        spans = solver != "milp"
+        spans = solver != "milp" and not profile.compiled
     checked = _solver(solver)
     longest = max_span if spans else 1
     budget_bytes = budget_of(profile, budget)
@@ -504,4 +509,5 @@ def plan(
         block_share=block_share(profile),
         diagnostics=advice.loss_head(profile, peak, decisions, chosen),
         scratch_unknown=profile.from_shapes and not profile.scratch.located,
+        compiled=profile.compiled,
     )

@@ -513,6 +513,8 @@ class Measurements:
         input_shapes: shapes of the tensor inputs.
         device: the device measured (from shapes: the one the meta tensors stand for).
         from_shapes: measured on meta tensors.
+        compiled: the blocks compiled, each decision a partitioner budget, bytes the
+            allocator's (:mod:`remat.planner.compiled`).
         torch_version: the torch that ran the steps.
         chained / kept_outputs: as :class:`ProfileData` has them.
         scratch: the scratch inside operators per window of the step
@@ -547,6 +549,7 @@ class Measurements:
     input_shapes: list[list[int]] = dataclasses.field(default_factory=list)
     device: str = ""
     from_shapes: bool = False
+    compiled: bool = False
     torch_version: str = ""
     chained: list[bool] = dataclasses.field(default_factory=list)
     kept_outputs: list[bool] = dataclasses.field(default_factory=list)
@@ -702,6 +705,9 @@ class ProfileData:
         from_shapes: measured from shapes alone (a model on the meta device,
             :mod:`remat.planner.meta`), for ``device``: every tensor's bytes as on it, the
             scratch inside operators not seen (0 unless measured since, ``scratch.located``).
+        compiled: each block compiled on its own, a decision the partitioner's budget
+            (:mod:`remat.planner.regional`); every byte term the allocator's, scratch inside
+            kernels included (``scratch`` is empty).
     """
 
     blocks: list[BlockCosts]
@@ -726,6 +732,7 @@ class ProfileData:
     shared: SharedTerms = dataclasses.field(default_factory=SharedTerms, metadata=GROUP)
     post: int = dataclasses.field(default=0, metadata=MAX | FIT)
     from_shapes: bool = dataclasses.field(default=False, metadata=SAME)
+    compiled: bool = dataclasses.field(default=False, metadata=SAME)
 
     def __post_init__(self) -> None:
         self.decisions = [Decision(d) for d in self.decisions]
@@ -764,7 +771,10 @@ class ProfileData:
 
     def to_json(self) -> str:
         """Plain JSON, each group of terms an object of its own (``"scratch": {"bytes": ...}``)."""
-        return json.dumps(dataclasses.asdict(self), indent=2)
+        data = dataclasses.asdict(self)
+        if not self.compiled:  # eager profiles read as before
+            del data["compiled"]
+        return json.dumps(data, indent=2)
 
     @classmethod
     def from_json(cls, text: str) -> Self:
@@ -882,6 +892,8 @@ class PlanData:
         scratch_unknown: planned from shapes alone (``Profile.from_shapes``) with no scratch
             inside operators measured: ``predicted_peak_bytes`` is the tensors' peak and the
             allocator's adds what the device's kernels take; the table says so.
+        compiled: each block compiled on its own at the partitioner's budget its decision
+            means (:mod:`remat.planner.regional`); :meth:`~remat.Plan.apply` compiles them.
     """
 
     decisions: dict[str, Decision]
@@ -903,6 +915,7 @@ class PlanData:
     block_share: float | None = None
     diagnostics: list[Diagnostic] = dataclasses.field(default_factory=list)
     scratch_unknown: bool = False
+    compiled: bool = False
 
     def __post_init__(self) -> None:
         bad = sorted(str(d) for d in self.decisions.values() if d not in _NAMES)
@@ -926,6 +939,8 @@ class PlanData:
             {"kind": d.kind.name, "module": d.module, "message": d.message}
             for d in self.diagnostics
         ]
+        if not self.compiled:  # eager plans read as before
+            del data["compiled"]
         return json.dumps(data, indent=2)
 
     @classmethod

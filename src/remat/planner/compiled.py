@@ -1,0 +1,149 @@
+"""A step of compiled blocks measured at the allocator (regional compilation, :mod:`.regional`).
+
+A compiled kernel allocates its buffers without going through the dispatcher, and
+``torch.compile`` runs its frames eagerly while a dispatch mode is active, so the tracker of
+:mod:`remat.memory` cannot see a compiled step. Its bytes are read from the allocator's
+events instead (``torch.profiler`` with ``profile_memory=True``) at the window boundaries
+the block hooks mark (:class:`AllocatorTimeline`): the same
+:class:`~remat.planner.types.Timeline` the tracker gives (equal to it on an eager step but
+for the scratch inside operators, which the allocator's peaks include: a compiled profile
+has no separate scratch), from which the step model's terms are derived as for any
+profile. :func:`allocator_peak` is the checked steps' meter.
+
+Not recorded (left empty, as the step model allows): the peak after a block returned
+(``fwd_tail``), outputs the next block did not receive (``outputs_freed``) and the autocast
+terms (compiled plans refuse autocast).
+"""
+
+from __future__ import annotations
+
+import bisect
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .probes import WindowProbe
+from .scratch import mark_window, parse_marks, quiet_native_stderr
+from .types import Timeline, Window, WindowKind
+
+
+class AllocatorTimeline(WindowProbe):
+    """The step's window boundaries marked in a running profiler's events (as
+    :class:`~remat.planner.probes.WindowMarks` does), with the gradients' and block
+    inputs' bytes read at each: :meth:`line` turns the allocator's events into a
+    :class:`~remat.planner.types.Timeline`, as :class:`~remat.planner.probes.TimelineProbe`
+    makes one from the tracker. Not recorded (left empty): ``fwd_tail``, ``outputs_freed``
+    and the autocast terms."""
+
+    def __init__(self, n: int, grads: Callable[[], int], inputs: Callable[[Any], int]) -> None:
+        super().__init__(n)
+        self.n = n
+        self.grads = grads
+        self.inputs = inputs
+        self.windows: list[Window] = []
+        self.grads_at: list[int] = []
+        self.input_bytes = [0] * n
+
+    def enter(self, window: Window) -> None:
+        self.grads_at.append(self.grads())  # those of the window that ends here
+        self.windows.append(window)
+        mark_window(window)
+
+    def before(self, i: int, args: Any, kwargs: Any) -> None:
+        self.input_bytes[i] = self.inputs(args)
+        super().before(i, args, kwargs)
+
+    def finish(self) -> None:
+        self.move(Window(WindowKind.END))
+
+    def line(self, events: list[Any], device: torch.device) -> Timeline:
+        """The timeline of the step whose profiler ``events`` these are (bytes counted from
+        the step's start, the allocator's: kernels' scratch included).
+
+        Raises:
+            RuntimeError: the events do not hold the boundaries this probe marked."""
+        allocs, marks = parse_marks(events, device)
+        if [w for _, w in marks] != self.windows:
+            raise RuntimeError(
+                "remat: the profiler's window marks differ from the step's windows "
+                f"({len(marks)} marks, {len(self.windows)} windows)."
+            )
+        times = [t for t, _ in allocs]
+        running = [0]  # bytes alive after each allocator event
+        for _, b in allocs:
+            running.append(running[-1] + b)
+
+        def alive(t: int) -> int:
+            return running[bisect.bisect_right(times, t)]
+
+        def peak(lo: int, hi: int) -> int:  # over the times in (lo, hi]
+            a, z = bisect.bisect_right(times, lo), bisect.bisect_right(times, hi)
+            return max(running[a : z + 1])
+
+        n = self.n
+        line = Timeline(
+            fwd_start=[0] * n, fwd_peak=[0] * n, bwd_start=[None] * n, bwd_peak=[0] * n,
+            bwd_grads=[0] * n, input_bytes=list(self.input_bytes),
+        )  # fmt: skip
+        ending, since = Window(WindowKind.PRE), -1
+        for (t, window), grads in zip(marks, self.grads_at):
+            top, (kind, i) = peak(since, t), (ending.kind, ending.block)
+            if kind is WindowKind.PRE:
+                line.pre_peak = top
+            elif kind is WindowKind.FWD:
+                line.fwd_peak[i] = top
+            elif kind is WindowKind.TOP:
+                line.top_peak, line.top_grads = top, grads
+            elif kind is WindowKind.BWD:
+                line.bwd_peak[i], line.bwd_grads[i] = top, grads
+            elif kind is WindowKind.POST:
+                line.post_peak = top
+            if window.kind is WindowKind.FWD:
+                line.fwd_start[window.block] = alive(t)
+            elif window.kind is WindowKind.TOP:
+                line.top_start = alive(t)
+            elif window.kind is WindowKind.BWD:
+                line.bwd_start[window.block] = alive(t)
+            elif window.kind is WindowKind.END:
+                line.end_bytes, line.end_grads = alive(t), grads
+            ending, since = window, t
+        return line
+
+
+def profiled(run: Callable[[], None]) -> list[Any]:
+    """Run ``run()`` once under ``torch.profiler`` with the allocator's events; its events.
+
+    Raises:
+        RuntimeError: a profiler is already running (one cannot run inside another).
+    """
+    if torch.autograd._profiler_enabled():
+        raise RuntimeError(
+            "remat: compiled blocks are measured under torch.profiler, and a profiler is "
+            "already running: plan outside it."
+        )
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with quiet_native_stderr(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Profiler clears events", category=UserWarning)
+        prof.__enter__()
+    try:
+        run()
+    finally:
+        with quiet_native_stderr():
+            prof.__exit__(None, None, None)
+    results = None if prof.profiler is None else prof.profiler.kineto_results
+    return [] if results is None else list(results.events())
+
+
+def allocator_peak(events: list[Any], device: torch.device) -> int:
+    """The most bytes the allocator of ``device`` held at once in ``events``, counted from
+    their start."""
+    allocs, _ = parse_marks(events, device)
+    cur = top = 0
+    for _, b in allocs:
+        cur += b
+        top = max(top, cur)
+    return top
