@@ -197,3 +197,29 @@ def test_callback_refuses_a_bad_option_when_made_not_on_the_first_batch():
 def test_callback_rejects_a_budget_of_the_wrong_type(budget):
     with pytest.raises(TypeError, match="budget must be bytes"):
         hf.RematCallback(budget)
+
+
+def test_callback_refuses_a_compile_that_is_not_a_bool():
+    with pytest.raises(TypeError, match="compile must be True or False"):
+        hf.RematCallback("50%", compile=1)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+def test_trainer_with_a_compiled_plan_compiles_the_layers_and_trains_close_to_without(tmp_path):
+    from remat.planner.regional import compiled_level
+
+    plain_rec = GradRecorder()
+    plain, _ = train(tmp_path, [plain_rec])
+    rec = GradRecorder()
+    cb = hf.RematCallback("70%", compile=True)
+    trained, model = train(tmp_path, [rec, cb])
+    assert cb.plan.compiled and cb.checks == []  # compiled steps are not metered
+    assert all(compiled_level(model.get_submodule(n)) is not None for n in cb.plan.decisions)
+    # compiled kernels round differently from eager ones: close, not bitwise
+    assert losses(trained) == pytest.approx(losses(plain), rel=1e-4)
+    for got, want in zip(rec.grads, plain_rec.grads):
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-3, atol=1e-6)
+    assert _get_current_dispatch_mode_stack() == []

@@ -168,3 +168,26 @@ def test_callback_refuses_a_bad_option_when_made_not_on_the_first_batch():
         RematCallback("50%", timer="flop")
     with pytest.raises(TypeError, match="check_fn must be callable"):
         RematCallback("50%", check_fn="layers")
+
+
+def test_callback_refuses_a_compile_that_is_not_a_bool():
+    with pytest.raises(TypeError, match="compile must be True or False"):
+        RematCallback("50%", compile="yes")
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+def test_fit_with_a_compiled_plan_compiles_the_blocks_and_trains_as_without():
+    from remat.planner.regional import compiled_level
+
+    _, plain = fit([], record=True)
+    cb = RematCallback("70%", compile=True)
+    _, net = fit([cb], record=True)
+    assert cb.plan.compiled and cb.checks == []  # compiled steps are not metered
+    assert all(compiled_level(b) is not None for b in net.blocks)
+    # compiled kernels round differently from eager ones: close, not bitwise
+    for got, want in zip(net.grads, plain.grads):
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-6)
+    assert _get_current_dispatch_mode_stack() == []

@@ -108,6 +108,10 @@ class RematCallback(TrainerCallback):  # type: ignore[misc]
             ``"flops"`` (see :func:`remat.profile`).
         measure: measure each step (on CPU this counts every operator's outputs in
             Python: slower steps); ``False`` plans only.
+        compile: compiled plans (see :func:`remat.auto_checkpoint`'s ``compile``): each
+            candidate layer compiled on its own at the partitioner budget the plan gives it.
+            The steps are then not measured (``measure`` is taken as ``False``: the meter's
+            tracker cannot see compiled kernels, and torch.compile runs eagerly under it).
 
     Attributes:
         plan: the applied :class:`remat.Plan`, ``None`` before the first batch.
@@ -122,10 +126,11 @@ class RematCallback(TrainerCallback):  # type: ignore[misc]
         check_fn: Callable[[str, nn.Module], bool] | None = None,
         timer: str = "time",
         measure: bool = True,
+        compile: bool = False,
     ) -> None:
         self.session = PlannedTraining(
             budget,
-            loop=Loop(loss_fn=loss_fn, check_fn=check_fn, timer=timer),
+            loop=Loop(loss_fn=loss_fn, check_fn=check_fn, timer=timer, compile=compile),
             measure=measure,
             where="remat.integrations.hf.RematCallback",
         )

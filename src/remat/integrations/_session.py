@@ -50,11 +50,14 @@ class PlannedTraining:
             where, budget=budget, loss_fn=loop.loss_fn, check_fn=loop.check_fn,
             timer=loop.timer, measure=measure,
         )  # fmt: skip
+        if not isinstance(loop.compile, bool):
+            raise TypeError(f"{where}: compile must be True or False, got {loop.compile!r}.")
         self.budget = budget
         #: the loop's options known before training (loss, candidate blocks, timer); each
         #: callback adds the trainer's optimizer and how it clears gradients
         self.loop = loop
-        self.measure = measure
+        # compiled steps are not metered: the tracker cannot see compiled kernels
+        self.measure = measure and not loop.compile
         self.where = where
         self.plan: Any = None
         self.meter = PeakMeter()

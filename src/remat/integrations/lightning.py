@@ -116,6 +116,10 @@ class RematCallback(Callback):  # type: ignore[misc]
             ``"flops"`` (see :func:`remat.profile`).
         measure: measure each batch (on CPU this counts every operator's outputs in
             Python: slower steps); ``False`` plans only.
+        compile: compiled plans (see :func:`remat.auto_checkpoint`'s ``compile``): each
+            candidate layer compiled on its own at the partitioner budget the plan gives it.
+            The steps are then not measured (``measure`` is taken as ``False``: the meter's
+            tracker cannot see compiled kernels, and torch.compile runs eagerly under it).
 
     Attributes:
         plan: the applied :class:`remat.Plan` (block names prefixed ``module.``),
@@ -131,11 +135,12 @@ class RematCallback(Callback):  # type: ignore[misc]
         check_fn: Callable[[str, nn.Module], bool] | None = None,
         timer: str = "time",
         measure: bool = True,
+        compile: bool = False,
     ) -> None:
         super().__init__()
         self.session = PlannedTraining(
             budget,
-            loop=Loop(loss_fn=loss_fn, check_fn=check_fn, timer=timer),
+            loop=Loop(loss_fn=loss_fn, check_fn=check_fn, timer=timer, compile=compile),
             measure=measure,
             where="remat.integrations.lightning.RematCallback",
         )
