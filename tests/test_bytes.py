@@ -1,4 +1,4 @@
-"""remat._bytes: the storages that hold each kind of tensor, against bytes computed by hand;
+"""remat.engine.bytes: the storages that hold each kind of tensor, against bytes computed by hand;
 the planner's static bytes, the tracker and offload count sparse tensors by their parts."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map_only
 
 import remat
-from remat._bytes import element_bytes, leaves, shares_storage, storage_bytes, storages
+from remat.engine.bytes import element_bytes, leaves, shares_storage, storage_bytes, storages
 
 # torch warns once per process that CSR is in beta; pytest turns warnings into errors
 pytestmark = [

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as tuc
 
 import remat
-from remat._torch_compat import SAC_HOOKS_OPTION_SINCE, installed_torch
+from remat.engine.torch_compat import SAC_HOOKS_OPTION_SINCE, installed_torch
 
 TORCH_CURRIES = "respect_saved_tensors_hooks" in inspect.signature(tuc.checkpoint).parameters
 needs_torch_curried = pytest.mark.skipif(

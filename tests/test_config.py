@@ -1,4 +1,4 @@
-"""Settings and flags (remat._config): context managers on contextvars, thread- and task-local.
+"""Settings and flags (remat.engine.config): context managers on contextvars, thread- and task-local.
 
 ``set_checkpoint_early_stop``, ``set_checkpoint_debug_enabled`` and
 ``disable_checkpointing`` restore the previous value on every exit path;
@@ -15,12 +15,12 @@ import pytest
 import torch
 
 import remat
-from remat import _config
+from remat.engine import config
 from tests.support.tensors import data
 
 
 def current() -> tuple[object, object, object]:
-    return _config._early_stop.get(), _config._debug.get(), _config._disabled.get()
+    return config._early_stop.get(), config._debug.get(), config._disabled.get()
 
 
 class Counted:

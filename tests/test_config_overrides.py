@@ -1,4 +1,4 @@
-"""remat._config's internal API: the overrides read by the engine, and the region depths
+"""remat.engine.config's internal API: the overrides read by the engine, and the region depths
 raised by entering_region / recomputing_region, put back on every exit path."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import remat
-from remat import _config
+from remat.engine import config
 
 
 def data(n: int = 5) -> torch.Tensor:
@@ -21,9 +21,9 @@ def flags() -> tuple[bool, bool]:
 @pytest.mark.parametrize(
     "manager, read, value",
     [
-        (remat.set_checkpoint_early_stop, _config.early_stop_override, False),
-        (remat.set_checkpoint_debug_enabled, _config.debug_override, True),
-        (lambda _: remat.disable_checkpointing(), _config.checkpointing_disabled, True),
+        (remat.set_checkpoint_early_stop, config.early_stop_override, False),
+        (remat.set_checkpoint_debug_enabled, config.debug_override, True),
+        (lambda _: remat.disable_checkpointing(), config.checkpointing_disabled, True),
     ],
     ids=["early-stop", "debug", "disabled"],
 )
@@ -37,18 +37,18 @@ def test_each_override_reads_what_its_public_setting_set(manager, read, value):
 
 def test_region_depths_nest_and_are_put_back():
     assert flags() == (False, False)
-    with _config.entering_region():
+    with config.entering_region():
         assert flags() == (True, False)
-        with _config.recomputing_region():
+        with config.recomputing_region():
             assert flags() == (True, True)
-            with _config.entering_region():  # a region nested in a recompute
+            with config.entering_region():  # a region nested in a recompute
                 assert flags() == (True, True)
             assert flags() == (True, True)
         assert flags() == (True, False)
     assert flags() == (False, False)
 
 
-@pytest.mark.parametrize("region", [_config.entering_region, _config.recomputing_region])
+@pytest.mark.parametrize("region", [config.entering_region, config.recomputing_region])
 def test_region_depths_are_put_back_when_the_code_inside_raises(region):
     with pytest.raises(ValueError, match="inside"):
         with region():

@@ -1,4 +1,4 @@
-"""determinism_check and debug (remat._debug): recompute that does not reproduce the forward is caught.
+"""determinism_check and debug (remat.engine.debug): recompute that does not reproduce the forward is caught.
 
 A module-level flag toggled between forward and backward stands for global
 state that changed (a config switch, a counter, a cache).

@@ -1,4 +1,4 @@
-"""Errors (remat._errors and every raise): torch's phrase where torch raises too, then remat's help; clear errors where torch's are not.
+"""Errors (remat.engine.errors and every raise): torch's phrase where torch raises too, then remat's help; clear errors where torch's are not.
 
 Each case runs the same input through torch.utils.checkpoint and remat: both must raise
 the same exception type with torch's key phrase, and remat's message must also say what

@@ -12,7 +12,7 @@ from torch import nn
 
 import remat
 import tests.support.explain_models as em
-from remat import _observe
+from remat.engine import observe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -232,7 +232,7 @@ def test_explain_leaves_no_trace():
     assert all(p.grad is grads[n] for n, p in model.named_parameters())
     assert all(bool((p.grad == 7).all()) for p in model.parameters())
     assert torch.equal(torch.get_rng_state(), rng)
-    assert _observe.current() is None
+    assert observe.current() is None
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     assert hooks == (
         dict(torch.nn.modules.module._global_forward_pre_hooks),
@@ -333,7 +333,7 @@ def test_the_observer_is_installed_only_inside_the_probe():
     policy = functools.partial(remat.create_selective_checkpoint_contexts, [])
 
     def fn(x):
-        seen.append(_observe.current())
+        seen.append(observe.current())
         return x.sin()
 
     x = torch.randn(3, requires_grad=True)

@@ -1,4 +1,4 @@
-"""The call forms of torch's distributed wrapper and fairscale's (remat._forms), against torch's wrapper.
+"""The call forms of torch's distributed wrapper and fairscale's (remat.engine.forms), against torch's wrapper.
 
 Each form is run on a copy of one model and compared, bitwise, with torch's
 ``checkpoint_wrapper`` / ``apply_activation_checkpointing`` on another copy (and

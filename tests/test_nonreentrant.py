@@ -1,4 +1,4 @@
-"""remat.checkpoint, the non-reentrant variant (remat._nonreentrant): gradients, graph features, recompute counts.
+"""remat.checkpoint, the non-reentrant variant (remat.engine.nonreentrant): gradients, graph features, recompute counts.
 
 Every case runs the same code without checkpointing and compares the loss and
 every gradient bitwise (``torch.equal``; CPU kernels are deterministic), and,

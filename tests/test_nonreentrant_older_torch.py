@@ -1,4 +1,4 @@
-"""remat._nonreentrant on a torch without ``_make_saved_tensor`` (torch 2.11; patched away
+"""remat.engine.nonreentrant on a torch without ``_make_saved_tensor`` (torch 2.11; patched away
 on a torch that has it): the region's inputs kept by reference and their versions checked
 by hand."""
 
@@ -8,13 +8,13 @@ import pytest
 import torch
 
 import remat
-from remat import _nonreentrant, _torch_compat
+from remat.engine import nonreentrant, torch_compat
 
 
 @pytest.fixture
 def older_torch(monkeypatch):
     """The engine as on a torch whose autograd cannot make a ``SavedTensor`` from Python."""
-    monkeypatch.setattr(_torch_compat, "make_saved_tensor", None)
+    monkeypatch.setattr(torch_compat, "make_saved_tensor", None)
 
 
 def data(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -74,7 +74,7 @@ def test_an_input_changed_in_place_after_forward_raises_on_older_torch(older_tor
 
 
 def test_saved_inputs_keep_tensors_and_check_versions_on_older_torch(older_torch):
-    kept = _nonreentrant.SavedInputs()
+    kept = nonreentrant.SavedInputs()
     a, b = torch.zeros(2), torch.ones(3)
     assert (kept.add(a), kept.add(b)) == (0, 1)
     values = kept.values()

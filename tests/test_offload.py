@@ -1,4 +1,4 @@
-"""remat.offload and the offload engine (remat._offload): what is kept on the host, and gradients unchanged."""
+"""remat.offload and the offload engine (remat.engine.offload): what is kept on the host, and gradients unchanged."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import remat
-from remat._offload import HostStash, is_parameter_like
+from remat.engine.offload import HostStash, is_parameter_like
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -192,16 +192,16 @@ def test_offload_policy_on_cuda_gives_bitwise_grads():
 
 
 def test_offload_policy_regions_share_one_stash_per_thread():
-    from remat._offload import shared_stash
+    from remat.engine.offload import shared_stash
 
     stores = []
-    orig = remat._selective._Store.__init__
+    orig = remat.engine.selective._Store.__init__
 
     def spy(self):
         orig(self)
         stores.append(self)
 
-    remat._selective._Store.__init__ = spy
+    remat.engine.selective._Store.__init__ = spy
     try:
         ctx_fn = functools.partial(
             remat.create_selective_checkpoint_contexts, remat.policies.offload_matmuls()
@@ -212,7 +212,7 @@ def test_offload_policy_regions_share_one_stash_per_thread():
         h = remat.checkpoint(lambda t: lin(t).tanh(), h, context_fn=ctx_fn)
         h.sum().backward()
     finally:
-        remat._selective._Store.__init__ = orig
+        remat.engine.selective._Store.__init__ = orig
     assert len(stores) == 2
     assert stores[0].stash is stores[1].stash is shared_stash()
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import remat
-import remat._offload as engine
+import remat.engine.offload as engine
 from remat import CheckpointPolicy
 from tests.support.simdevice import SimOps, simulated_device
 
@@ -184,7 +184,7 @@ def test_sparse_tensor_under_an_offload_policy_is_counted_by_its_parts():
     s = torch.sparse_coo_tensor(
         torch.tensor([[0, 1]]), torch.ones(2), (4,), check_invariants=True
     ).coalesce()
-    entry = remat._selective._Offloaded(s, stash)  # before: nbytes raised
+    entry = remat.engine.selective._Offloaded(s, stash)  # before: nbytes raised
     assert stash.current_bytes == 2 * 8 + 2 * 4
     del entry
     assert stash.current_bytes == 0
@@ -359,7 +359,7 @@ def test_selective_offload_region_is_freed_when_its_output_is_dropped_without_gc
     import gc
     import weakref
 
-    import remat._offload as engine
+    import remat.engine.offload as engine
 
     w = torch.randn(16, 16, requires_grad=True)
     x = torch.randn(8, 16, requires_grad=True)

@@ -221,7 +221,7 @@ def test_offloaded_device_tensor_is_freed_once_its_copy_out_ran():
 
 
 def test_shared_stash_releases_every_byte_after_backward():
-    import remat._offload as engine
+    import remat.engine.offload as engine
 
     ctx_fn = functools.partial(
         remat.create_selective_checkpoint_contexts, remat.policies.offload_matmuls()
@@ -303,7 +303,7 @@ def test_offload_around_checkpoint_on_async_device_moves_only_region_inputs():
 
 
 def test_device_without_streams_gets_blocking_copies_with_same_grads(monkeypatch):
-    import remat._offload as engine
+    import remat.engine.offload as engine
 
     ops = engine._BlockingOps("mps")
     copies = []
@@ -332,7 +332,7 @@ def test_meta_tensors_are_kept_as_they_are():
 
 
 def test_pinned_pool_size_classes_waste_at_most_an_eighth_above_4k():
-    from remat._offload import _PinnedPool
+    from remat.engine.offload import _PinnedPool
 
     size = _PinnedPool._size_class
     assert [size(n) for n in (0, 1, 3, 100, 4096)] == [2, 2, 4, 128, 4096]

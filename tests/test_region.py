@@ -1,4 +1,4 @@
-"""What one call of a wrapped module runs (remat._region): the class's forward with its keywords
+"""What one call of a wrapped module runs (remat.engine.region): the class's forward with its keywords
 and outputs, guarded against side effects in recompute.
 
 Buffers changed in forward, a Hugging Face-style layer with a cache, keyword arguments and

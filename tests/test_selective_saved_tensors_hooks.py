@@ -18,8 +18,12 @@ import torch.utils.checkpoint as tuc
 
 import remat
 from remat import CheckpointPolicy as P
-from remat import _torch_compat
-from remat._torch_compat import SAC_HOOKS_OPTION_SINCE, SAC_MODE_TAKES_HOOKS_OPTION, installed_torch
+from remat.engine import torch_compat
+from remat.engine.torch_compat import (
+    SAC_HOOKS_OPTION_SINCE,
+    SAC_MODE_TAKES_HOOKS_OPTION,
+    installed_torch,
+)
 
 needs_torch_option = pytest.mark.skipif(
     not SAC_MODE_TAKES_HOOKS_OPTION,
@@ -254,11 +258,11 @@ def test_true_with_torchs_contexts_on_a_torch_without_the_option_names_the_versi
 
 
 def test_user_saved_tensors_hooks_looks_past_checkpoints_own_hooks():
-    assert _torch_compat.user_saved_tensors_hooks() is None
+    assert torch_compat.user_saved_tensors_hooks() is None
     seen = []
 
     def probe(t):
-        seen.append(_torch_compat.user_saved_tensors_hooks())
+        seen.append(torch_compat.user_saved_tensors_hooks())
         return t.sin().cos()
 
     x = torch.randn(3, requires_grad=True)

@@ -179,7 +179,7 @@ def test_span_input_offload_on_a_device_gives_bitwise_grads(seed, inner):
         model = GPT()
         for i in range(0, 6, 2):
             apply_span(model, [f"layers.{i}", f"layers.{i + 1}"], inner=inner, offload_inputs=True)
-        stash = remat._offload.shared_stash()
+        stash = remat.engine.offload.shared_stash()
         for _ in range(2):
             torch.manual_seed(seed)
             x = torch.randn(2, 8, 16, requires_grad=True)

@@ -1,4 +1,4 @@
-"""RNG, autocast and default-device replay in recompute (remat._state); the global RNG state after backward.
+"""RNG, autocast and default-device replay in recompute (remat.engine.state); the global RNG state after backward.
 
 Reference: the same code without checkpointing, from the same seed; results
 bitwise equal. GPU variants carry the ``gpu`` marker and skip without CUDA.

@@ -32,7 +32,7 @@ import torch.utils.checkpoint as tuc
 from torch.overrides import _get_current_function_mode_stack
 
 import remat
-import remat._state
+import remat.engine.state
 from tests.support.differential import Outcome, assert_matches_reference, same_grads
 
 Call = Callable[..., Any]
@@ -356,7 +356,7 @@ def test_exception_in_recompute_restores_every_flag(variant, where, monkeypatch)
         y = REMAT[variant](f, x, w, gen)
     recomputing["on"] = True
     if where == "entering-state":
-        monkeypatch.setattr(remat._state, "_outer_autocast_nesting", _boom)
+        monkeypatch.setattr(remat.engine.state, "_outer_autocast_nesting", _boom)
     loss = y.sum()
     torch.set_default_dtype(torch.float64)
     try:

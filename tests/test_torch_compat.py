@@ -1,4 +1,4 @@
-"""remat._torch_compat: each torch behaviour remat handles, on a torch that takes it.
+"""remat.engine.torch_compat: each torch behaviour remat handles, on a torch that takes it.
 
 The installed torch takes one side of each; the other side runs by patching the name
 (tests/test_nonreentrant_older_torch.py for ``make_saved_tensor``). Also here: what
@@ -17,31 +17,31 @@ import torch.utils.checkpoint as tuc
 
 import remat
 from remat import CheckpointPolicy as P
-from remat import _nonreentrant, _torch_compat
+from remat.engine import nonreentrant, torch_compat
 
 NODE_HOOK = getattr(torch.autograd.graph, "node_creation_hook", None)
 needs_node_hook = pytest.mark.skipif(
     NODE_HOOK is None,
     reason="torch.autograd.graph.node_creation_hook is torch >= 2.14's (installed: "
-    f"{_torch_compat.installed_torch()})",
+    f"{torch_compat.installed_torch()})",
 )
 
 
 def test_installed_torch_is_the_version_without_its_build_tag():
-    assert torch.__version__.startswith(_torch_compat.installed_torch())
-    assert "+" not in _torch_compat.installed_torch()
+    assert torch.__version__.startswith(torch_compat.installed_torch())
+    assert "+" not in torch_compat.installed_torch()
 
 
 def test_make_saved_tensor_is_torchs_where_torch_has_it():
     has = hasattr(torch._C._autograd, "_make_saved_tensor")
-    assert (_torch_compat.make_saved_tensor is not None) == has
-    kept = _nonreentrant._keep_input(torch.randn(2, requires_grad=True), "test")
-    assert isinstance(kept, _nonreentrant._KeptByHand) == (not has)
+    assert (torch_compat.make_saved_tensor is not None) == has
+    kept = nonreentrant._keep_input(torch.randn(2, requires_grad=True), "test")
+    assert isinstance(kept, nonreentrant._KeptByHand) == (not has)
 
 
 def test_sac_hooks_option_is_detected_from_torchs_checkpoint():
     takes = "respect_saved_tensors_hooks" in inspect.signature(tuc.checkpoint).parameters
-    assert _torch_compat.SAC_MODE_TAKES_HOOKS_OPTION == takes
+    assert torch_compat.SAC_MODE_TAKES_HOOKS_OPTION == takes
     fwd, _ = tuc.create_selective_checkpoint_contexts([torch.ops.aten.mm.default])
     assert hasattr(fwd, "respect_saved_tensors_hooks") == takes
 

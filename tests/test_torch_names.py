@@ -16,7 +16,7 @@ import torch.utils.checkpoint as tuc
 
 import remat
 from remat import CheckpointPolicy as P
-from remat._config import _GraphExecGroupFallback
+from remat.engine.config import _GraphExecGroupFallback
 
 
 def make(seed=0):

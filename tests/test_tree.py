@@ -1,4 +1,4 @@
-"""Tensors inside call arguments (remat._tree): found in order, replaced in the same structure.
+"""Tensors inside call arguments (remat.engine.tree): found in order, replaced in the same structure.
 
 The containers users pass to checkpointed functions: tuples (named ones too), lists,
 dicts and dataclass instances, nested at any depth; everything else is a leaf kept as is.
@@ -11,7 +11,7 @@ from collections import namedtuple
 
 import torch
 
-from remat._tree import SLOT, has_nested, replace_tensors, tensors_in
+from remat.engine.tree import SLOT, has_nested, replace_tensors, tensors_in
 
 Pair = namedtuple("Pair", ["first", "second"])
 

@@ -27,7 +27,6 @@ import torch
 from torch import nn
 
 from . import memory
-from ._config import disable_checkpointing
 from ._diagnose import Diagnostic, diagnose_step, fmt_bytes
 from ._modelinfo import (
     BufferSnapshot,
@@ -41,7 +40,8 @@ from ._modelinfo import (
 )
 from ._probe import StepProbe
 from ._records import UNKNOWN, Alloc, Reason, RegionStats
-from ._tree import tensors_in
+from .engine.config import disable_checkpointing
+from .engine.tree import tensors_in
 
 __all__ = ["Explanation", "KeptTensor", "Peak", "diagnose", "explain"]
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ._blocks import default_blocks
-from ._tree import tensors_in
+from .engine.tree import tensors_in
 
 
 def check_module(model: Any, where: str, arg: str = "model") -> None:

@@ -1,6 +1,6 @@
 """One training step under instrumentation: what is allocated where, what is kept and why.
 
-:class:`StepProbe` is the observer of :mod:`remat._observe` and gathers the
+:class:`StepProbe` is the observer of :mod:`remat.engine.observe` and gathers the
 facts :func:`remat.explain` and the diagnostics (:mod:`remat._diagnose`) read:
 
 * **Allocations.** A dispatch mode sees every operator and records each new
@@ -15,7 +15,7 @@ facts :func:`remat.explain` and the diagnostics (:mod:`remat._diagnose`) read:
 * **Why a tensor is kept.** A saved-tensor hook under every other one sees
   what autograd keeps outside any checkpoint; the engine reports what its
   regions keep as inputs, what selective policies save and what goes to the
-  host (:mod:`remat._observe`). Torch's own checkpoint keeps its inputs the same
+  host (:mod:`remat.engine.observe`). Torch's own checkpoint keeps its inputs the same
   way; its frames tell them apart.
 * **Backward.** A function mode tags each autograd node made in forward with the
   module and line that made it, so that an allocation in backward is put on
@@ -39,9 +39,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import _observe
 from ._records import UNKNOWN, Alloc, Nesting, PeakPoint, Reason, RegionStats, user_line
-from ._tree import tensors_in
+from .engine import observe
+from .engine.tree import tensors_in
 
 _TORCH_CHECKPOINT = os.path.abspath(torch.utils.checkpoint.__file__)
 _graph_task = torch._C._current_graph_task_id
@@ -58,7 +58,7 @@ class _StorageRef(weakref.ref):  # type: ignore[type-arg]
 
 
 class _Region:
-    """One call of a region, as the probe sees it (implements :class:`~remat._observe.RegionProbe`)."""
+    """One call of a region, as the probe sees it (implements :class:`~remat.engine.observe.RegionProbe`)."""
 
     __slots__ = ("probe", "label", "kind", "t0", "saved", "saved_old", "inputs", "open", "inside")
 
@@ -270,7 +270,7 @@ class StepProbe:
             )
             stack.enter_context(mod.register_module_forward_hook(self._post, always_call=True))
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _identity))
-            stack.enter_context(_observe.observing(self))
+            stack.enter_context(observe.observing(self))
             stack.enter_context(_Tagger(self))
             stack.enter_context(_Recorder(self))
         except BaseException:
@@ -417,7 +417,7 @@ class StepProbe:
             a.because(Reason.NOT_CHECKPOINTED, self.module_label())
         return x
 
-    # -- the observer (remat._observe.Observer) ---------------------------------------
+    # -- the observer (remat.engine.observe.Observer) ---------------------------------------
     def region_start(self, kind: str, fn: Callable[..., Any]) -> _Region:
         label = self.module_label()
         backward = _graph_task() != -1
@@ -508,7 +508,7 @@ class StepProbe:
 
 
 # The probe's saved-tensor hooks only observe and shadow the hooks under them: marked as
-# checkpoint's own with nothing under them (remat._torch_compat), a selective region run
+# checkpoint's own with nothing under them (remat.engine.torch_compat), a selective region run
 # under the probe neither warns about them nor routes what it saves through them.
 setattr(StepProbe._pack, "_checkpoint_internal", True)  # noqa: B010
 setattr(StepProbe._pack, "_user_hooks", None)  # noqa: B010

@@ -17,7 +17,7 @@ How a span is entered and left
 :func:`apply_span` puts an instance-level ``forward`` on each block (as
 :func:`remat.checkpoint_wrapper` does: class, names, ``state_dict`` keys and
 hooks unchanged). The first block's forward starts a *run*: a
-:class:`remat._nonreentrant.PiecewiseRegion`, the engine's region whose
+:class:`remat.engine.nonreentrant.PiecewiseRegion`, the engine's region whose
 forward is run in pieces. Each block's forward is one piece: the region's
 saved-tensor hooks are pushed when the block starts and popped when it
 returns, so what the blocks save for backward is dropped, and what the
@@ -29,7 +29,7 @@ again: its arguments with each tensor either *linked* (the tensor is one the
 previous block returned: the recompute passes the recomputed one) or *kept*
 (a mask, rotary tables, the span's input: kept through autograd
 ``SavedTensor``\\ s, like a checkpoint's inputs, deduplicated), its RNG,
-autocast and default-device state (:class:`~remat._state.ForwardState`) and
+autocast and default-device state (:class:`~remat.engine.state.ForwardState`) and
 its buffers and train flags (the wrapper's guard, so BatchNorm statistics
 are updated once).
 
@@ -50,7 +50,7 @@ from them when backward reaches it (so each block runs three times a step).
 ``inner="keep"`` runs the blocks plainly inside the span (one checkpoint
 over the whole span), ``inner="split"`` checkpoints each block and splits it.
 ``inner="selective"`` runs each block as a selective region: the outputs its
-policy saves are handed to the span (:func:`remat._nonreentrant.enclosing_region`),
+policy saves are handed to the span (:func:`remat.engine.nonreentrant.enclosing_region`),
 so in forward the span keeps only its input, and its recompute brings each block's
 input *and* saved outputs back, from which the blocks' own recomputes are served
 (each saved operator runs twice a step, the others three times).
@@ -114,15 +114,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _config
-from ._errors import PlanError
-from ._nonreentrant import PiecewiseRegion, SavedInputs, run_nonreentrant
-from ._offload import moves_to_host, offload_shared
-from ._selective import create_selective_checkpoint_contexts
 from ._split import choose_children, is_split, resolve, unsplit_block, wrap_children
-from ._state import ForwardState, generators_in
-from ._tree import SLOT, replace_tensors, tensors_in
 from ._wrap import guarded_forward, is_wrapped
+from .engine import config
+from .engine.errors import PlanError
+from .engine.nonreentrant import PiecewiseRegion, SavedInputs, run_nonreentrant
+from .engine.offload import moves_to_host, offload_shared
+from .engine.selective import create_selective_checkpoint_contexts
+from .engine.state import ForwardState, generators_in
+from .engine.tree import SLOT, replace_tensors, tensors_in
 
 INNER = ("keep", "recompute", "selective", "split")
 
@@ -162,7 +162,7 @@ class _Run:
     def __init__(self, span: _Span) -> None:
         self.opts = span.opts
         self.region: PiecewiseRegion | None = PiecewiseRegion(
-            self.replay, early_stop=_config.early_stop_override() is not False
+            self.replay, early_stop=config.early_stop_override() is not False
         )
         self.kept = SavedInputs()
         self.kept_ids: dict[int, tuple[int, weakref.ref[torch.Tensor]]] = {}
@@ -286,8 +286,8 @@ class _Run:
             preserve_rng_state=opts.preserve_rng_state,
             context_fn=context_fn,
             determinism_check="default",
-            debug=bool(_config.debug_override()),
-            early_stop=_config.early_stop_override() is not False,
+            debug=bool(config.debug_override()),
+            early_stop=config.early_stop_override() is not False,
             state=piece.state,
         )
 
@@ -421,7 +421,7 @@ class _SpanForward:
             if self.previous is not None
             else functools.partial(type(module).forward, module)
         )
-        if not torch.is_grad_enabled() or _config.checkpointing_disabled():
+        if not torch.is_grad_enabled() or config.checkpointing_disabled():
             return forward(*args, **kwargs)
         if torch.compiler.is_compiling():
             raise PlanError(

@@ -21,8 +21,8 @@ from typing import Any
 
 from torch import nn
 
-from ._errors import PlanError
 from ._wrap import checkpoint_wrapper, is_wrapped, unwrap
+from .engine.errors import PlanError
 
 SPLIT_ATTR = "_remat_split"  # the children a split wrapped, kept on the block
 

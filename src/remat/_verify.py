@@ -11,8 +11,6 @@ from typing import Any
 import torch
 
 from . import memory
-from ._bytes import storage_bytes
-from ._config import disable_checkpointing
 from ._diagnose import Diagnostic, diagnose_step
 from ._modelinfo import (
     check_not_meta,
@@ -25,7 +23,9 @@ from ._modelinfo import (
     set_rng_state,
 )
 from ._probe import StepProbe
-from ._tree import replace_tensors, tensors_in
+from .engine.bytes import storage_bytes
+from .engine.config import disable_checkpointing
+from .engine.tree import replace_tensors, tensors_in
 from .planner.render import fmt_bytes  # the plan table's units: the figures read alike
 
 

@@ -11,8 +11,8 @@ once around the call; the checkpoint runs (and recomputes) the class's
 attribute holds the module only through a weak reference, so wrapping adds
 no reference cycle, and it pickles and deep-copies by pointing at the copy.
 
-Side effects in recompute are guarded by :mod:`remat._region`; the call forms of
-torch's and fairscale's wrappers are mapped to remat's options by :mod:`remat._forms`.
+Side effects in recompute are guarded by :mod:`remat.engine.region`; the call forms of
+torch's and fairscale's wrappers are mapped to remat's options by :mod:`remat.engine.forms`.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _config
 from ._blocks import default_blocks
-from ._checkpoint import checkpoint
-from ._forms import InSet, auto_wrap_targets, name_filter, wrapper_options
-from ._reentrant import run_reentrant
-from ._region import Region
+from .engine import config
+from .engine.checkpoint import checkpoint
+from .engine.forms import InSet, auto_wrap_targets, name_filter, wrapper_options
+from .engine.reentrant import run_reentrant
+from .engine.region import Region
 
 _ATTR = "_remat_checkpoint"  # the config, kept on the module (picklable)
 # Keywords that checkpoint() takes for itself (a forward's keyword must not reach it).
@@ -123,17 +123,17 @@ class _CheckpointedForward:
                 **dict(opts.fn_kwargs),
                 **kwargs,
             )
-        if not torch.is_grad_enabled() or _config.checkpointing_disabled():
+        if not torch.is_grad_enabled() or config.checkpointing_disabled():
             return forward(*args, **kwargs)
         if opts.offload_only:
-            from ._offload import offload
+            from .engine.offload import offload
 
             with offload():
                 return forward(*args, **kwargs)
         region = Region(module, forward, args, kwargs, copied=not opts.use_reentrant)
         context_fn = opts.context_fn
         if opts.policy is not None:
-            from ._selective import create_selective_checkpoint_contexts
+            from .engine.selective import create_selective_checkpoint_contexts
 
             context_fn = functools.partial(create_selective_checkpoint_contexts, opts.policy)
         extra: dict[str, Any] = dict(opts.fn_kwargs) if opts.fn_kwargs else {}
@@ -150,7 +150,7 @@ class _CheckpointedForward:
             call_args = (*args, *kwargs.values())
             call_kwargs = {}
         if opts.offload_to_cpu:
-            from ._offload import offload
+            from .engine.offload import offload
 
             if context_fn is not None and opts.checkpoint_fn is None:
                 # offload_to_cpu moves the region's inputs: the wrapper's own hooks, which

@@ -73,9 +73,9 @@ from typing import Any, Protocol
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._bytes import leaves, meta_counts, storage_bytes
-from ._config import is_recomputing
-from ._tree import tensors_in
+from .engine.bytes import leaves, meta_counts, storage_bytes
+from .engine.config import is_recomputing
+from .engine.tree import tensors_in
 
 __all__ = ["BlockHooks", "MemoryTracker", "ModuleMemory", "Probe", "track", "track_modules"]
 
@@ -131,7 +131,7 @@ class MemoryTracker:
         self._watched: list[list[Any]] = []  # [storage, bytes last seen, device]
         self._watched_keys: set[int] = set()
         #: whether meta storages hold bytes for this tracker: made inside
-        #: :func:`remat._bytes.meta_holds_bytes` (a profile from shapes), never for a tracker
+        #: :func:`remat.engine.bytes.meta_holds_bytes` (a profile from shapes), never for a tracker
         #: made outside, around one (a fake tensor's storage is on meta, its device real)
         self.holds_meta = meta_counts()
 

@@ -19,8 +19,8 @@ import torch
 import torch.utils.checkpoint as tuc
 from torch import nn
 
-from .._checkpoint import checkpoint
-from .._selective import create_selective_checkpoint_contexts
+from ..engine.checkpoint import checkpoint
+from ..engine.selective import create_selective_checkpoint_contexts
 from ..policies import matmul_ops, offload_matmuls, save_matmuls
 
 

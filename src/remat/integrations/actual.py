@@ -50,7 +50,7 @@ from torch import nn
 
 from .. import memory
 from .._modelinfo import device_of
-from .._tree import tensors_in
+from ..engine.tree import tensors_in
 from ..planner.render import fmt_bytes
 from ..planner.state import optimizer_tensors, trainable
 

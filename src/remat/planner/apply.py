@@ -13,11 +13,11 @@ from typing import Any
 
 from torch import nn
 
-from .._errors import PlanError
 from .._spans import apply_span, remove_span, span_of
 from .._split import can_split
 from .._split import split_children as split_names
 from .._wrap import checkpoint_wrapper, offload_only, set_wrapping_state, unwrap, wrapping_state
+from ..engine.errors import PlanError
 from ..policies import save_matmuls
 from .types import Decision, PlanData
 

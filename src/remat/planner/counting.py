@@ -26,9 +26,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .._selective import RECOMPUTE_ENTRY, create_selective_checkpoint_contexts
-from .._state import ForwardState
-from .._tree import tensors_in
+from ..engine.selective import RECOMPUTE_ENTRY, create_selective_checkpoint_contexts
+from ..engine.state import ForwardState
+from ..engine.tree import tensors_in
 from ..policies import save_matmuls
 
 
@@ -214,7 +214,7 @@ class _Counter(TorchDispatchMode):
 class _InputGrab:
     """Forward pre-hook (``with_kwargs=True``) that keeps a block's first inputs, keywords too,
     and the state the model called it under (autocast inside the model's forward, default
-    dtype and device: :class:`~remat._state.ForwardState`), to run the block alone as it ran."""
+    dtype and device: :class:`~remat.engine.state.ForwardState`), to run the block alone as it ran."""
 
     def __init__(self, name: str, store: dict[str, Any]) -> None:
         self.name = name

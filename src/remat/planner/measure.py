@@ -37,16 +37,16 @@ import torch
 from torch import nn
 
 from .. import memory
-from .._bytes import storage_bytes
 from .._modelinfo import (
     candidates,
     check_grad_enabled,
     check_module,
     device_of,
 )
-from .._offload import moves_to_host
 from .._split import can_split
-from .._tree import tensors_in
+from ..engine.bytes import storage_bytes
+from ..engine.offload import moves_to_host
+from ..engine.tree import tensors_in
 from ..memory import BlockHooks
 from .amp import outside
 from .apply import apply_decision, restore_state, snapshot_state

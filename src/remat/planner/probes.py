@@ -41,8 +41,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from .. import memory
-from .._bytes import leaves, shares_storage, storage_bytes, storages
-from .._tree import tensors_in
+from ..engine.bytes import leaves, shares_storage, storage_bytes, storages
+from ..engine.tree import tensors_in
 from ..memory import BlockHooks
 from .amp import fresh_region
 from .apply import apply_decision

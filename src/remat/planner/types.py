@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 from typing_extensions import Self
 
 from .._diagnose import Diagnostic, Kind
-from .._errors import PlanError
+from ..engine.errors import PlanError
 
 __all__ = [
     "BOUND",

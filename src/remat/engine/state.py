@@ -58,7 +58,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from ._tree import tensors_in
+from .tree import tensors_in
 
 
 class DefaultDeviceType:

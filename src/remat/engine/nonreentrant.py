@@ -13,7 +13,7 @@ objects made under the hooks that were active *outside* the region, so that
   which recomputes them too (nesting keeps only the outermost inputs).
 
 When backward first unpacks a holder of a region, the region is recomputed
-under the forward's RNG and autocast state (:mod:`remat._state`), with a
+under the forward's RNG and autocast state (:mod:`remat.engine.state`), with a
 second pack hook that stores the ``i``-th saved tensor into the ``i``-th
 holder, keyed by the autograd graph task. Unpacking pops the tensor, so each
 recomputed tensor is freed as soon as its backward node has used it, also with
@@ -32,7 +32,7 @@ pieces, with other code between them (a span over several blocks, in
 recompute calls a ``replay`` that reruns the pieces and replays their state
 itself. :class:`SavedInputs` keeps tensors the way a frame keeps its inputs.
 
-Under :func:`remat.explain` (an observer in :mod:`remat._observe`) a region's frame is
+Under :func:`remat.explain` (an observer in :mod:`remat.engine.observe`) a region's frame is
 an :class:`_ObservedFrame`, which reports what it drops and when it recomputes; the
 choice is made once per region, so a plain run does no per-tensor work for it.
 """
@@ -48,11 +48,11 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes as _no_modes
 
-from . import _config, _observe, _torch_compat
-from ._errors import CheckpointError
-from ._state import ForwardState, generators_in
-from ._torch_compat import mark_internal, user_saved_tensors_hooks
-from ._tree import SLOT, has_nested, replace_tensors, tensors_in
+from . import config, observe, torch_compat
+from .errors import CheckpointError
+from .state import ForwardState, generators_in
+from .torch_compat import mark_internal, user_saved_tensors_hooks
+from .tree import SLOT, has_nested, replace_tensors, tensors_in
 
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
@@ -95,11 +95,6 @@ class _Holder:
         self.recomputed: dict[Any, torch.Tensor] = {}
 
 
-class _StopRecompute(Exception):
-    def __init__(self, frame: _Frame) -> None:
-        self.frame = frame
-
-
 def _checksum(x: torch.Tensor) -> torch.Tensor:
     # Outside any dispatch mode: selective checkpointing must not see these ops.
     with torch.no_grad(), _no_modes():
@@ -121,7 +116,7 @@ class _Frame:
     """One call of a checkpointed function: its inputs, state and holders.
 
     The frame itself is the pack hook of its forward (``frame(x)`` is
-    :meth:`pack`), marked as checkpoint's own (:mod:`remat._torch_compat`): torch
+    :meth:`pack`), marked as checkpoint's own (:mod:`remat.engine.torch_compat`): torch
     2.14's selective mode inside the region looks past it to the user's hooks.
     """
 
@@ -212,7 +207,7 @@ class _Frame:
             x = h.recomputed.pop(gid, None)
             if x is not None:
                 return x
-        group = _config.current_graph_exec_group()
+        group = config.current_graph_exec_group()
         if group is not None:  # one recompute for every backward inside the group
             gid, outside = group, False
         else:
@@ -280,14 +275,14 @@ class _Frame:
         try:
             with _UnderHooks(rec, _identity, recompute=True), torch.enable_grad():
                 if self.debug:
-                    from ._debug import OpLog
+                    from .debug import OpLog
 
                     log = OpLog()
                     with log:
                         self._run_recompute(ctx, args, kwargs)
                 else:
                     self._run_recompute(ctx, args, kwargs)
-        except _StopRecompute as stop:
+        except config.StopRecompute as stop:
             if stop.frame is not self:
                 self.drop(gid)
                 raise
@@ -314,7 +309,7 @@ class _Frame:
     def mismatch(self, message: str, log: Any) -> CheckpointError:
         text = f"remat.checkpoint: {message}\n{_TIP}"
         if log is not None and self.fwd_ops is not None:
-            from ._debug import report
+            from .debug import report
 
             text = (
                 f"remat.checkpoint: {message}\nOperators run in forward and in recompute:\n"
@@ -332,7 +327,7 @@ class _ObservedFrame(_Frame):
     """
 
     __slots__ = ("probe",)
-    probe: _observe.RegionProbe
+    probe: observe.RegionProbe
 
     def pack(self, x: torch.Tensor) -> _Holder:
         self.probe.saw(x)
@@ -348,7 +343,7 @@ class _ObservedFrame(_Frame):
             self.probe.recompute_end()
 
 
-def _new_frame(probe: _observe.RegionProbe | None, *args: Any) -> _Frame:
+def _new_frame(probe: observe.RegionProbe | None, *args: Any) -> _Frame:
     """A frame, observed when ``probe`` is given (the inputs it keeps are reported as such)."""
     if probe is None:
         return _Frame(*args)
@@ -379,11 +374,11 @@ def _identity(x: Any) -> Any:
 
 
 class _UnderHooks:
-    """Inside: a region's depth raised (:mod:`remat._config`) and its saved-tensor hooks
+    """Inside: a region's depth raised (:mod:`remat.engine.config`) and its saved-tensor hooks
     pushed; both undone on exit, exceptions included (a push refused by autograd too).
 
     ``pack`` is a frame or a recompute hook: while pushed it records the user's hooks
-    under it (``_user_hooks``, read by :func:`remat._torch_compat.user_saved_tensors_hooks`);
+    under it (``_user_hooks``, read by :func:`remat.engine.torch_compat.user_saved_tensors_hooks`);
     they are forgotten on exit, so that the graph, which keeps the pack hook, does not keep
     the user's hooks alive.
     """
@@ -395,7 +390,7 @@ class _UnderHooks:
     ) -> None:
         self.pack = pack
         self.unpack = unpack
-        self.depth = _config.RegionDepth(recompute)
+        self.depth = config.RegionDepth(recompute)
 
     def __enter__(self) -> None:
         depth = self.depth
@@ -491,7 +486,7 @@ class _RecomputeHook:
                     if got[:3] != want[:3] or not _sums_close(want[3], got[3]):
                         self.bad.append((i, want, got))
         if frame.early_stop and i + 1 == n:
-            raise _StopRecompute(frame)
+            raise config.StopRecompute(frame)
         return x
 
     __call__ = pack
@@ -579,8 +574,8 @@ def run_nonreentrant(
     if fwd_ctx is not None:
         if hasattr(fwd_ctx, "enclosing"):
             fwd_ctx.enclosing = enclosing_region()
-        _torch_compat.set_hooks_option(fwd_ctx, respect_saved_tensors_hooks)
-    obs = _observe.current()
+        torch_compat.set_hooks_option(fwd_ctx, respect_saved_tensors_hooks)
+    obs = observe.current()
     probe = None if obs is None else obs.region_start("checkpoint", fn)
     try:
         frame = _new_frame(
@@ -602,7 +597,7 @@ def run_nonreentrant(
         raise
     log = None
     if debug:
-        from ._debug import OpLog
+        from .debug import OpLog
 
         log = OpLog()
     try:
@@ -626,7 +621,7 @@ def enclosing_region() -> tuple[Callable[[Any], Any], Callable[[Any], Any]] | No
 
     A selective region nested in another hands what its policy saves to these hooks, as
     every region hands them its inputs: the enclosing region then drops it in forward and
-    brings it back with its own recompute (:class:`remat._selective._Passed`).
+    brings it back with its own recompute (:class:`remat.engine.selective._Passed`).
     """
     hooks = _top_hooks(False)
     if hooks is not None and isinstance(hooks[0], (_Frame, _RecomputeHook)):
@@ -698,7 +693,7 @@ class SavedInputs:
 
     def add(self, t: torch.Tensor) -> int:
         """Keep ``t``; return its index in :meth:`values`."""
-        obs = _observe.current()
+        obs = observe.current()
         if obs is None:
             self.saved.append(_keep_input(t, "remat"))
         else:
@@ -764,7 +759,7 @@ class _KeptByHand:
 
 def _keep_input(t: torch.Tensor, who: str) -> Any:
     """``t`` kept for a recompute under the saved-tensor hooks active now."""
-    make = _torch_compat.make_saved_tensor
+    make = torch_compat.make_saved_tensor
     if make is not None:
         return make(t, is_output=False)
     return _KeptByHand(t, who)
@@ -794,7 +789,7 @@ class PiecewiseRegion:
     def __init__(
         self, replay: Callable[[], Any], *, determinism_check: str = "default", early_stop: bool
     ) -> None:
-        obs = _observe.current()
+        obs = observe.current()
         probe = None if obs is None else obs.region_start("span", replay)
         self.frame = _new_frame(
             probe, replay, (), {}, False, [], None, None, determinism_check, early_stop, False

@@ -36,8 +36,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes as _no_modes
 
-from . import _config, _observe
-from ._errors import CheckpointError
+from . import config, observe
+from .errors import CheckpointError
 
 
 def _fingerprint(obj: Any, depth: int = 0) -> Any:
@@ -156,13 +156,13 @@ class Region:
                         snapshot.append((m, name, b, value))
         if snapshot:
             self.snapshot = snapshot
-            obs = _observe.current()
+            obs = observe.current()
             if obs is not None:  # remat.explain: the copies are what the recompute starts from
                 obs.kept([v for _, _, _, v in snapshot], "input")
         self.watched = _Watched(args, kwargs, copied)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not _config.is_recomputing():
+        if not config.is_recomputing():
             return self.forward(*args, **kwargs)
         watched = self.watched
         if not watched.items:
@@ -237,6 +237,4 @@ class Region:
 
 def _is_stop(exc: BaseException) -> bool:
     """The engine's own early-stop signal, which is not a failure."""
-    from ._nonreentrant import _StopRecompute
-
-    return isinstance(exc, _StopRecompute)
+    return isinstance(exc, config.StopRecompute)

@@ -27,7 +27,7 @@ from typing import Any
 import torch.utils.checkpoint as _tuc
 from torch import nn
 
-from ._checkpoint import checkpoint
+from .checkpoint import checkpoint
 
 _TORCH_WRAPPER_MODULE = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
 #: Options of :func:`remat.checkpoint` that the wrapper takes through ``**checkpoint_fn_kwargs``.

@@ -6,7 +6,7 @@ modes that :func:`remat.checkpoint` runs the forward and the recompute under
 
 * Forward (:class:`_SaveMode`): every ATen operator runs; the policy decides
   per call. ``SAVE`` keeps a detached alias of the output (and its version);
-  ``CPU_OFFLOAD`` hands the output to the host stash of :mod:`remat._offload`
+  ``CPU_OFFLOAD`` hands the output to the host stash of :mod:`remat.engine.offload`
   (on CPU-only setups it is kept as is); ``RECOMPUTE`` keeps nothing. The
   decisions are stored per operator, in call order.
 * Recompute (:class:`_ServeMode`): the ``i``-th call of an operator is served
@@ -78,13 +78,13 @@ import torch.utils.checkpoint as _tuc
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _disable_current_modes as _no_modes
 
-from . import _observe
-from ._bytes import element_bytes
-from ._errors import CheckpointError
-from ._offload import HostStash, shared_stash
-from ._state import host_state, tensor_state
-from ._torch_compat import user_saved_tensors_hooks
-from .policies import CheckpointPolicy, OpPolicy
+from ..policies import CheckpointPolicy, OpPolicy
+from . import observe
+from .bytes import element_bytes
+from .errors import CheckpointError
+from .offload import HostStash, shared_stash
+from .state import host_state, tensor_state
+from .torch_compat import user_saved_tensors_hooks
 
 _SAVE = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
 _OFFLOAD = (CheckpointPolicy.MUST_CPU_OFFLOAD, CheckpointPolicy.PREFER_CPU_OFFLOAD)
@@ -685,7 +685,7 @@ def _has_tensor(out: Any) -> bool:
 class _ServeMode(TorchDispatchMode):
     """Recompute mode: serve kept outputs, run the rest again."""
 
-    remat_internal = True  # the recompute detaches below the modes under it (_nonreentrant)
+    remat_internal = True  # the recompute detaches below the modes under it (nonreentrant)
 
     def __init__(self, policy: Callable[..., Any], store: _Store, allow_mutation: bool) -> None:
         super().__init__()
@@ -823,6 +823,6 @@ def create_selective_checkpoint_contexts(
             torch_policy, allow_cache_entry_mutation
         )
     store = _Store()
-    obs = _observe.current()
+    obs = observe.current()
     save = _SaveMode(policy, store) if obs is None else _ObservedSaveMode(policy, store, obs)
     return save, _ServeMode(policy, store, allow_cache_entry_mutation)

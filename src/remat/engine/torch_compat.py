@@ -7,7 +7,7 @@ by patching these names, so every path runs on any installed torch):
 
 - :data:`make_saved_tensor`: autograd makes a ``SavedTensor`` from Python
   (``torch._C._autograd._make_saved_tensor``: 2.13 and 2.14 have it, 2.11 does not;
-  without it a region keeps its inputs by hand, :class:`remat._nonreentrant._KeptByHand`).
+  without it a region keeps its inputs by hand, :class:`remat.engine.nonreentrant._KeptByHand`).
 - :data:`SAC_MODE_TAKES_HOOKS_OPTION`: torch's own selective-checkpointing forward mode
   (``torch.utils.checkpoint.create_selective_checkpoint_contexts``) can route what it
   saves through the saved-tensor hooks around the region
@@ -59,7 +59,7 @@ def installed_torch() -> str:
     """The installed torch's version without its build tag (``"2.13.0"``).
 
     Example:
-        >>> from remat._torch_compat import installed_torch
+        >>> from remat.engine.torch_compat import installed_torch
         >>> installed_torch().count(".") >= 1
         True
     """
@@ -84,7 +84,7 @@ def user_saved_tensors_hooks() -> HookPair | None:
 
     Example:
         >>> import torch
-        >>> from remat._torch_compat import user_saved_tensors_hooks
+        >>> from remat.engine.torch_compat import user_saved_tensors_hooks
         >>> user_saved_tensors_hooks() is None
         True
         >>> with torch.autograd.graph.save_on_cpu():

@@ -50,8 +50,8 @@ from typing import Any
 
 import torch
 
-from . import _observe
-from ._bytes import element_bytes
+from . import observe
+from .bytes import element_bytes
 
 _PREFETCH_DEPTH = 2
 
@@ -549,7 +549,7 @@ class _ObservedOffloadHooks(_OffloadHooks):
 
 
 def _hooks(stash: HostStash, min_bytes: int, stats: OffloadStats, solo: bool) -> _OffloadHooks:
-    obs = _observe.current()
+    obs = observe.current()
     if obs is None:
         return _OffloadHooks(stash, min_bytes, stats, solo)
     return _ObservedOffloadHooks(stash, min_bytes, stats, solo, observer=obs)

@@ -23,6 +23,17 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as _tuc
 
+
+class StopRecompute(Exception):
+    """The engine's own early-stop signal, not a failure: raised in a recompute once it has
+    reproduced every tensor backward needs (``early_stop``); the region that recomputes
+    ``frame`` (a non-reentrant region's frame) catches it, and a wrapper's side-effect
+    guard lets it pass."""
+
+    def __init__(self, frame: object) -> None:
+        self.frame = frame
+
+
 _early_stop: ContextVar[bool | None] = ContextVar("remat_early_stop", default=None)
 _debug: ContextVar[bool | None] = ContextVar("remat_debug", default=None)
 _disabled: ContextVar[bool] = ContextVar("remat_disabled", default=False)

@@ -17,9 +17,9 @@ from typing import Any, Generic, ParamSpec, TypeVar, overload
 import torch
 import torch.utils.checkpoint as _tuc
 
-from . import _config
-from ._nonreentrant import run_nonreentrant
-from ._reentrant import run_reentrant
+from . import config
+from .nonreentrant import run_nonreentrant
+from .reentrant import run_reentrant
 
 _CHECKS = ("default", "none", "values")
 _T = TypeVar("_T")
@@ -223,12 +223,12 @@ def checkpoint(
         _check_reentrant_options(context_fn, debug, respect_saved_tensors_hooks)
     if determinism_check not in _CHECKS:
         raise _bad_check(determinism_check)
-    if not torch.is_grad_enabled() or _config.checkpointing_disabled():
+    if not torch.is_grad_enabled() or config.checkpointing_disabled():
         return function(*args, **kwargs)
     if use_reentrant:
         return run_reentrant(function, args, preserve_rng_state=preserve_rng_state)
-    dbg = _config.debug_override()
-    stop = _config.early_stop_override()
+    dbg = config.debug_override()
+    stop = config.early_stop_override()
     return run_nonreentrant(
         function,
         args,

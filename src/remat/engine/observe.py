@@ -2,7 +2,7 @@
 
 The engine asks :func:`current` once per region (a ``ContextVar`` read) and,
 when an observer is installed, builds the observed variant of what it is
-about to make (:class:`remat._nonreentrant` frames, the selective forward
+about to make (:class:`remat.engine.nonreentrant` frames, the selective forward
 mode, the offload hooks): those tell the observer what they keep. With no
 observer, nothing else changes and no per-tensor work is added: the observed
 variants are subclasses picked once per region, not checks in the hot path.

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from . import _config, _observe
-from ._state import ForwardState, generators_in
+from . import config, observe
+from .state import ForwardState, generators_in
 
 _BACKWARD_INPUTS_MSG = (
     "remat.checkpoint: When use_reentrant=True, torch.utils.checkpoint is incompatible with "
@@ -113,7 +113,7 @@ def _forward(
         generators_in(args, generators)
     ctx.state = ForwardState(tensors, preserve, generators)
     ctx.save_for_backward(*tensors)
-    with _config.entering_region(), torch.no_grad():
+    with config.entering_region(), torch.no_grad():
         return run_function(*args)
 
 
@@ -129,7 +129,7 @@ def _backward(ctx: Any, grads: tuple[Any, ...]) -> tuple[Any, ...]:
         inputs[i] = inputs[j]
     token = ctx.state.enter()
     try:
-        with _config.recomputing_region():
+        with config.recomputing_region():
             detached = detach_variable(tuple(inputs))
             # A tensor passed twice (attention's query, key and value) is one detached
             # object again, so code testing identity (``query is key``) takes its forward
@@ -340,7 +340,7 @@ def run_reentrant(
     if not params and not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
         anchor = torch.empty(0, requires_grad=True)
         anchor._remat_anchor = True  # type: ignore[attr-defined]  # see _reaches_leaf
-    obs = _observe.current()
+    obs = observe.current()
     if obs is None:
         return _ReentrantCheckpoint.apply(
             fn, preserve_rng_state, anchor, len(params), *args, *params

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ._checkpoint import checkpoint
+from .checkpoint import checkpoint
 
 
 class _Run:

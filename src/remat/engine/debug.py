@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_REMAT_DIR = os.path.dirname(__file__)
+_REMAT_DIR = os.path.dirname(os.path.dirname(__file__))  # the package, not engine/ alone
 
 
 def _user_line() -> str:
