@@ -1,4 +1,4 @@
-"""The default candidate blocks (remat/_blocks.py): the repeated blocks of every stack and
+"""The default candidate blocks (remat/modules/blocks.py): the repeated blocks of every stack and
 stage, one rule for the planner and apply_activation_checkpointing; and in_call_order."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import remat
-from remat._blocks import default_blocks
-from remat._modelinfo import in_call_order
+from remat.modules.blocks import default_blocks
+from remat.modules.modelinfo import in_call_order
 from tests.support.vision_models import ConvNeXt, MobileNetV3, ResNet, UNet
 
 pytestmark = pytest.mark.usefixtures("one_thread")

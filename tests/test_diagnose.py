@@ -213,7 +213,7 @@ def test_verify_says_when_checkpointing_raises_the_peak():
 
 @pytest.mark.parametrize("inner", ["recompute", "keep", "selective", "split"])
 def test_a_span_over_blocks_is_not_reported_nested(inner):
-    from remat._spans import apply_span
+    from remat.modules.spans import apply_span
 
     model, x = mlp_chain(layers=3)
     policy = [torch.ops.aten.addmm.default] if inner == "selective" else None
@@ -226,7 +226,7 @@ def test_a_span_over_blocks_is_not_reported_nested(inner):
 
 
 def test_a_split_block_is_not_reported_nested():
-    from remat._split import split_block
+    from remat.modules.split import split_block
 
     model, x = mlp_chain()
     remat.apply_activation_checkpointing(model)

@@ -321,7 +321,7 @@ def test_table_of_top_n_lists_the_largest():
 
 
 def test_explain_and_diagnose_agree():
-    from remat._explain import diagnose
+    from remat.measure.explain import diagnose
 
     model, x = em.scratch_first(wrap_scratch=True)
     assert diagnose(model, x) == remat.explain(model, x).diagnostics

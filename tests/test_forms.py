@@ -462,4 +462,4 @@ def test_bad_call_forms_name_the_argument_value_and_fix(call, error, pieces):
         call(m)
     for piece in pieces:
         assert piece in str(info.value), (piece, str(info.value))
-    assert not any(remat._wrap.is_wrapped(x) for x in m.modules())  # nothing half-done
+    assert not any(remat.modules.wrap.is_wrapped(x) for x in m.modules())  # nothing half-done

@@ -1,4 +1,4 @@
-"""What remat needs to know about a user's model (remat._modelinfo): its repeated blocks, a
+"""What remat needs to know about a user's model (remat.modules.modelinfo): its repeated blocks, a
 loss from its output, its device, and buffer values put back after steps that are not the
 user's.
 """
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from remat._modelinfo import (
+from remat.modules.modelinfo import (
     BufferSnapshot,
     candidates,
     check_grad_enabled,

@@ -19,7 +19,7 @@ from torch import nn
 
 import remat
 from remat import CheckpointError, CheckpointPolicy
-from remat._spans import apply_span
+from remat.modules.spans import apply_span
 from tests.support.models import GPT, assert_equal, grads
 
 CALLS = {"n": 0}

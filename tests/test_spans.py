@@ -1,4 +1,4 @@
-"""Spans over several blocks (remat._spans): gradients, state, identity.
+"""Spans over several blocks (remat.modules.spans): gradients, state, identity.
 
 Every behaviour is compared bitwise (torch.equal) with the model run without
 checkpointing from the same RNG state, dropout on. What a span refuses is in
@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 import remat
-from remat._spans import apply_span, remove_span, span_of, spans_in
-from remat._split import split_block
+from remat.modules.spans import apply_span, remove_span, span_of, spans_in
+from remat.modules.split import split_block
 from tests.support.models import GPT, BNChain, MLPChain, assert_equal, gpt_step, grads, spanned
 
 INNERS = ["keep", "recompute", "split", "selective"]
@@ -380,9 +380,9 @@ def test_span_keeps_names_state_dict_and_class_and_remove_restores():
     ]
     assert span_of(model.layers[4]) == ("layers.3", "layers.4", "layers.5")
     assert "[remat: span 2/3 of layers.0, layers.1, layers.2, inner=split]" in repr(model)
-    assert remat._wrap.is_wrapped(model.layers[0].attn)
+    assert remat.modules.wrap.is_wrapped(model.layers[0].attn)
     assert remove_span(model, "layers.1") == ["layers.0", "layers.1", "layers.2"]
-    assert not remat._wrap.is_wrapped(model.layers[0].attn)  # the span's split is undone
+    assert not remat.modules.wrap.is_wrapped(model.layers[0].attn)  # the span's split is undone
     assert "forward" not in model.layers[0].__dict__ and "[remat" not in repr(model.layers[0])
     assert spans_in(model) == [("layers.3", "layers.4", "layers.5")]
 

@@ -15,8 +15,8 @@ import torch
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import remat
-from remat._spans import apply_span
-from remat._split import split_block
+from remat.modules.spans import apply_span
+from remat.modules.split import split_block
 from tests.support.models import GPT, MLPChain, assert_equal, gpt_step, grads
 from tests.support.simdevice import simulated_device, stash_events
 

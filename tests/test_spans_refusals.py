@@ -1,4 +1,4 @@
-"""What a span refuses (remat._spans), each with an error that says what to do: a forward that
+"""What a span refuses (remat.modules.spans), each with an error that says what to do: a forward that
 is not a chain of its blocks, a skip connection inside it, an early exit, a block called on
 its own, compile and DataParallel, bad arguments to ``apply_span``.
 """
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import remat
-from remat._spans import apply_span, remove_span, spans_in
+from remat.modules.spans import apply_span, remove_span, spans_in
 from tests.support.models import GPT, GPTBlock, spanned
 
 # -- refusals: not a chain ---------------------------------------------------------------

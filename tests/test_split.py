@@ -1,4 +1,4 @@
-"""Blocks split in parts (remat._split): the children with parameters as their own regions.
+"""Blocks split in parts (remat.modules.split): the children with parameters as their own regions.
 
 Compared bitwise (torch.equal) with the model run without checkpointing.
 """
@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import remat
-from remat._spans import apply_span, spans_in
-from remat._split import can_split, is_split, split_block, split_children, unsplit_block
+from remat.modules.spans import apply_span, spans_in
+from remat.modules.split import can_split, is_split, split_block, split_children, unsplit_block
 from tests.support.models import GPT, assert_equal, gpt_step, grads
 
 
@@ -30,7 +30,7 @@ def test_split_block_grads_equal_and_unsplit_restores():
     assert_equal(ref, got)
     assert torch.equal(rng, rng2)
     assert unsplit_block(model, "layers.2") == ["layers.2.ln1", "layers.2.attn", "layers.2.ln2", "layers.2.mlp"]
-    assert not remat._wrap.is_wrapped(model.layers[2].attn)
+    assert not remat.modules.wrap.is_wrapped(model.layers[2].attn)
     assert unsplit_block(model, "layers.2") == []
 
 
@@ -47,7 +47,7 @@ def test_split_block_rejects_too_few_children_unknown_and_repeated_splits():
     remat.checkpoint_wrapper(gpt.layers[1].mlp)
     with pytest.raises(remat.PlanError, match="already checkpointed; unwrap it first"):
         split_block(gpt, "layers.1")
-    assert not remat._wrap.is_wrapped(gpt.layers[1].attn)  # nothing half done
+    assert not remat.modules.wrap.is_wrapped(gpt.layers[1].attn)  # nothing half done
     with pytest.raises(remat.PlanError, match="splitting needs two or more"):
         apply_span(model, ["0", "1"], inner="split")
     assert spans_in(model) == []
@@ -86,7 +86,7 @@ def test_split_children_are_the_children_with_parameters_frozen_ones_included():
     assert not can_split(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))  # one region is no split
     model = nn.Sequential(block)
     assert split_block(model, "0") == ["0.0", "0.3"] and is_split(block)
-    assert [remat._wrap.is_wrapped(c) for c in block] == [True, False, False, True]
+    assert [remat.modules.wrap.is_wrapped(c) for c in block] == [True, False, False, True]
 
 
 @pytest.mark.parametrize(

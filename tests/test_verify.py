@@ -138,7 +138,7 @@ def test_verify_treats_nans_at_the_same_places_as_equal():
 
 
 def test_verify_reports_a_nan_on_one_side_only_as_infinite():
-    from remat._verify import _diff
+    from remat.measure.verify import _diff
 
     a = torch.tensor([1.0, float("nan")])
     assert _diff(a, a.clone()) is None

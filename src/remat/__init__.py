@@ -8,10 +8,6 @@ Example:
 """
 
 from . import memory, policies
-from ._diagnose import Diagnostic
-from ._explain import Explanation, explain
-from ._verify import Report, verify
-from ._wrap import apply_activation_checkpointing, checkpoint_wrapper, offload_wrapper, unwrap
 from .engine.checkpoint import checkpoint, noop_context_fn
 from .engine.config import (
     GraphExecGroup,
@@ -32,6 +28,15 @@ from .engine.selective import (
 )
 from .engine.sequential import checkpoint_sequential
 from .engine.state import DefaultDeviceType, get_device_states, set_device_states
+from .measure.diagnose import Diagnostic
+from .measure.explain import Explanation, explain
+from .measure.verify import Report, verify
+from .modules.wrap import (
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+    offload_wrapper,
+    unwrap,
+)
 from .planner import (
     Inputs,
     Plan,

@@ -166,7 +166,7 @@ def registry() -> dict[str, Strategy]:
 
 def _extra_strategies() -> list[Strategy]:
     """The module wrapper and the planner at three budgets (sharing one profile)."""
-    from .._wrap import checkpoint_wrapper
+    from ..modules.wrap import checkpoint_wrapper
 
     def _wrapper(model: nn.Module, example: Any) -> None:
         for block in _blocks(model):

@@ -28,7 +28,7 @@ node, and nothing recomputed for it is stored.
 
 :class:`PiecewiseRegion` is the same frame for a forward its caller runs in
 pieces, with other code between them (a span over several blocks, in
-:mod:`remat._spans`): the hooks are pushed for each piece only, and the
+:mod:`remat.modules.spans`): the hooks are pushed for each piece only, and the
 recompute calls a ``replay`` that reruns the pieces and replays their state
 itself. :class:`SavedInputs` keeps tensors the way a frame keeps its inputs.
 
@@ -781,7 +781,7 @@ class PiecewiseRegion:
     piece in order and put in place the state (RNG, autocast, buffers) each
     piece ran under: the region replays none itself. The inputs ``replay``
     needs are the caller's to keep (:class:`SavedInputs`, added between pieces).
-    A span of blocks (:mod:`remat._spans`) is one such region.
+    A span of blocks (:mod:`remat.modules.spans`) is one such region.
     """
 
     __slots__ = ("frame",)

@@ -7,7 +7,7 @@ mode, the offload hooks): those tell the observer what they keep. With no
 observer, nothing else changes and no per-tensor work is added: the observed
 variants are subclasses picked once per region, not checks in the hot path.
 
-The observer itself (:mod:`remat._probe`) lives above the engine; this module
+The observer itself (:mod:`remat.measure.probe`) lives above the engine; this module
 only defines what the engine calls.
 """
 

@@ -24,9 +24,9 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from .._modelinfo import device_of
 from ..engine.errors import PlanError
 from ..engine.tree import tensors_in
+from ..modules.modelinfo import device_of
 from . import measure
 from .distributed import agree_min, agree_same
 from .fake import fake_twin, on_fake

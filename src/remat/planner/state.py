@@ -17,12 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._modelinfo import BufferSnapshot
-
 # One count of storage bytes for the tracker, the planner and offload (sparse tensors by
 # their parts, a wrapper subclass such as FSDP2's DTensor by its local shard).
 from ..engine.bytes import storage_bytes
 from ..engine.tree import tensors_in
+from ..modules.modelinfo import BufferSnapshot
 from .amp import fresh_region
 from .sharded import bucket_bytes, bucket_view_params
 

@@ -4,7 +4,7 @@ their own regions.
 Checkpointing a block keeps its input and recomputes all of it at once in
 backward. Splitting it checkpoints its children instead (each with
 :func:`remat.checkpoint_wrapper`), so inside an enclosing region (the block
-itself checkpointed, or a span, see :mod:`remat._spans`) the block's
+itself checkpointed, or a span, see :mod:`remat.modules.spans`) the block's
 recompute keeps its children's inputs and holds one child's activations at a
 time. By default the children chosen are those with parameters
 (:func:`split_children`), and a block splits when it has two or more
@@ -21,8 +21,8 @@ from typing import Any
 
 from torch import nn
 
-from ._wrap import checkpoint_wrapper, is_wrapped, unwrap
-from .engine.errors import PlanError
+from ..engine.errors import PlanError
+from .wrap import checkpoint_wrapper, is_wrapped, unwrap
 
 SPLIT_ATTR = "_remat_split"  # the children a split wrapped, kept on the block
 
@@ -114,7 +114,7 @@ def split_block(model: nn.Module, name: str, *, children: Sequence[str] | None =
 
     Example:
         >>> import torch
-        >>> from remat._split import split_block, unsplit_block
+        >>> from remat.modules.split import split_block, unsplit_block
         >>> block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
         >>> model = torch.nn.Sequential(block)
         >>> split_block(model, "0")

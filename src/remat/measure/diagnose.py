@@ -2,7 +2,7 @@
 
 The usual causes of "memory did not go down" are where the checkpoints are, not
 how they are solved (pytorch #147449, DeepSpeed #5704, transformers #30404).
-Each rule reads the facts of one instrumented step (:class:`remat._probe.StepProbe`)
+Each rule reads the facts of one instrumented step (:class:`remat.measure.probe.StepProbe`)
 and names the module and the fix:
 
 * :attr:`Kind.FREES_NOTHING`: a region that drops (almost) nothing, because what
@@ -31,9 +31,9 @@ import enum
 
 from torch import nn
 
-from ._probe import StepProbe
-from ._records import Alloc
-from ._split import is_split
+from ..modules.split import is_split
+from .probe import StepProbe
+from .records import Alloc
 
 #: A region frees "almost nothing" when it frees at most this share of what it would keep.
 FREES_NOTHING_SHARE = 0.1

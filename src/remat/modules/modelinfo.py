@@ -1,7 +1,7 @@
 """What remat needs to know about a user's model, shared by the wrappers, ``verify`` and the planner.
 
 * :func:`candidates`: the candidate blocks, by ``check_fn`` or by the default rule
-  (:func:`remat._blocks.default_blocks`); :func:`in_call_order`: them in the order one
+  (:func:`remat.modules.blocks.default_blocks`); :func:`in_call_order`: them in the order one
   forward calls them;
 * :func:`loss_of` / :func:`default_loss`: a scalar loss from the model's output;
 * :func:`device_of` / :func:`counted_device`: where the model runs and whose bytes count;
@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._blocks import default_blocks
-from .engine.tree import tensors_in
+from ..engine.tree import tensors_in
+from .blocks import default_blocks
 
 
 def check_module(model: Any, where: str, arg: str = "model") -> None:
@@ -38,7 +38,7 @@ def candidates(
     model: nn.Module, check_fn: Callable[[str, nn.Module], bool] | None, where: str = "remat.profile"
 ) -> list[str]:
     """Names of the candidate blocks: those ``check_fn(name, module)`` selects (the outermost
-    ones), else the repeated blocks of every stack (:func:`remat._blocks.default_blocks`), in
+    ones), else the repeated blocks of every stack (:func:`remat.modules.blocks.default_blocks`), in
     the order of the model's tree (:func:`in_call_order` puts them in the order forward
     calls them; :func:`remat.profile` records that order in its warm-up step)."""
     if check_fn is None:

@@ -1,7 +1,7 @@
 """Records of one instrumented step: what was allocated, why it is kept, where regions are.
 
-The plain data :class:`remat._probe.StepProbe` fills and :func:`remat.explain` and the
-diagnostics (:mod:`remat._diagnose`) read: :class:`Reason`, :class:`Alloc` (one storage
+The plain data :class:`remat.measure.probe.StepProbe` fills and :func:`remat.explain` and the
+diagnostics (:mod:`remat.measure.diagnose`) read: :class:`Reason`, :class:`Alloc` (one storage
 allocated during the step), :class:`RegionStats`, :class:`Nesting`, :class:`PeakPoint`,
 and :func:`user_line`, the source line an operator is attributed to.
 """
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_REMAT_DIR = os.path.dirname(__file__) + os.sep
+_REMAT_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep  # the package, not measure/
 _REMAT_MODELS = os.path.join(_REMAT_DIR, "bench") + os.sep  # the built-in models are user code
 #: The label of an allocation in backward that no module's forward made a node for (the
 #: nested backward of a reentrant recompute, gradient accumulation).

@@ -86,7 +86,7 @@ The planner's calls
 -------------------
 ``apply_span(model, names, inner=..., policy=..., offload_inputs=...)`` and
 ``remove_span(model, name)``; ``split_block(model, name, children=None)``
-and ``unsplit_block(model, name)`` (in :mod:`remat._split`); ``spans_in(model)``
+and ``unsplit_block(model, name)`` (in :mod:`remat.modules.split`); ``spans_in(model)``
 and ``span_of(module)`` to read back what is applied. All change the model in place and keep its
 names and ``state_dict`` keys; wrapping a span's block with
 :func:`remat.checkpoint_wrapper` is not supported (remove the span first).
@@ -114,15 +114,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._split import choose_children, is_split, resolve, unsplit_block, wrap_children
-from ._wrap import guarded_forward, is_wrapped
-from .engine import config
-from .engine.errors import PlanError
-from .engine.nonreentrant import PiecewiseRegion, SavedInputs, run_nonreentrant
-from .engine.offload import moves_to_host, offload_shared
-from .engine.selective import create_selective_checkpoint_contexts
-from .engine.state import ForwardState, generators_in
-from .engine.tree import SLOT, replace_tensors, tensors_in
+from ..engine import config
+from ..engine.errors import PlanError
+from ..engine.nonreentrant import PiecewiseRegion, SavedInputs, run_nonreentrant
+from ..engine.offload import moves_to_host, offload_shared
+from ..engine.selective import create_selective_checkpoint_contexts
+from ..engine.state import ForwardState, generators_in
+from ..engine.tree import SLOT, replace_tensors, tensors_in
+from .split import choose_children, is_split, resolve, unsplit_block, wrap_children
+from .wrap import guarded_forward, is_wrapped
 
 INNER = ("keep", "recompute", "selective", "split")
 
@@ -512,7 +512,7 @@ def apply_span(
             also checkpointed: backward holds the span's block inputs and one
             block's activations), ``"keep"`` (plain: one checkpoint over the
             span), ``"selective"`` (each block with ``policy``), ``"split"``
-            (each block checkpointed and split, see :func:`remat._split.split_block`).
+            (each block checkpointed and split, see :func:`remat.modules.split.split_block`).
         policy: the selective policy for ``inner="selective"`` (a
             :class:`~remat.CheckpointPolicy`-returning function or an op list).
         offload_inputs: keep the span's input in pinned host memory until
@@ -531,7 +531,7 @@ def apply_span(
 
     Example:
         >>> import torch
-        >>> from remat._spans import apply_span, remove_span
+        >>> from remat.modules.spans import apply_span, remove_span
         >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
         >>> apply_span(model, ["0", "1", "2", "3"])
         >>> model(torch.randn(2, 8, requires_grad=True)).sum().backward()

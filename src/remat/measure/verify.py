@@ -10,9 +10,11 @@ from typing import Any
 
 import torch
 
-from . import memory
-from ._diagnose import Diagnostic, diagnose_step
-from ._modelinfo import (
+from .. import memory
+from ..engine.bytes import storage_bytes
+from ..engine.config import disable_checkpointing
+from ..engine.tree import replace_tensors, tensors_in
+from ..modules.modelinfo import (
     check_not_meta,
     counted_device,
     default_blocks,
@@ -22,11 +24,9 @@ from ._modelinfo import (
     rng_state,
     set_rng_state,
 )
-from ._probe import StepProbe
-from .engine.bytes import storage_bytes
-from .engine.config import disable_checkpointing
-from .engine.tree import replace_tensors, tensors_in
-from .planner.render import fmt_bytes  # the plan table's units: the figures read alike
+from ..planner.render import fmt_bytes  # the plan table's units: the figures read alike
+from .diagnose import Diagnostic, diagnose_step
+from .probe import StepProbe
 
 
 @dataclasses.dataclass

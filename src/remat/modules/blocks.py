@@ -1,9 +1,9 @@
 """The default candidate blocks: the repeated blocks of every stack of a model.
 
 One rule, shared by the planner (:func:`remat.profile` through
-:func:`remat._modelinfo.candidates`) and by :func:`remat.apply_activation_checkpointing`.
+:func:`remat.modules.modelinfo.candidates`) and by :func:`remat.apply_activation_checkpointing`.
 It reads the module tree only (no forward), so the wrappers, which get no inputs, use it
-as the planner does; :func:`remat._modelinfo.in_call_order` puts its names in the order one
+as the planner does; :func:`remat.modules.modelinfo.in_call_order` puts its names in the order one
 forward calls them (the planner models the blocks as a chain; :func:`remat.profile` records
 that order in its warm-up step and takes the blocks in it).
 

@@ -1,15 +1,15 @@
 """``remat.explain``: what does a training step keep for backward, and why?
 
 One step is run twice from the same state: once with checkpointing disabled,
-for its peak alone, then instrumented (:class:`remat._probe.StepProbe`). At the
+for its peak alone, then instrumented (:class:`remat.measure.probe.StepProbe`). At the
 end of the instrumented forward (the loss computed, backward not started) every
 tensor storage allocated during the step and still alive is listed with the
 module and operator that made it, its shape, dtype, bytes and source line, and
-why it is alive (:class:`~remat._probe.Reason`). The rows add up to what
+why it is alive (:class:`~remat.measure.probe.Reason`). The rows add up to what
 :func:`remat.memory.track` counts alive at that moment above what existed before
 the step: a storage is one row however many tensors view it. Then backward runs
 and the step's peak is located. The boundary diagnostics of
-:mod:`remat._diagnose` are computed from the same step.
+:mod:`remat.measure.diagnose` are computed from the same step.
 
 JAX answers "what is saved?" with ``print_saved_residuals``; this is that for
 PyTorch, checkpoints included.
@@ -26,9 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import memory
-from ._diagnose import Diagnostic, diagnose_step, fmt_bytes
-from ._modelinfo import (
+from .. import memory
+from ..engine.config import disable_checkpointing
+from ..engine.tree import tensors_in
+from ..modules.modelinfo import (
     BufferSnapshot,
     check_grad_enabled,
     check_not_meta,
@@ -38,10 +39,9 @@ from ._modelinfo import (
     rng_state,
     set_rng_state,
 )
-from ._probe import StepProbe
-from ._records import UNKNOWN, Alloc, Reason, RegionStats
-from .engine.config import disable_checkpointing
-from .engine.tree import tensors_in
+from .diagnose import Diagnostic, diagnose_step, fmt_bytes
+from .probe import StepProbe
+from .records import UNKNOWN, Alloc, Reason, RegionStats
 
 __all__ = ["Explanation", "KeptTensor", "Peak", "diagnose", "explain"]
 
@@ -145,7 +145,7 @@ class Explanation:
             forward above what existed before the step; the rows add up to it.
         peak: where the step's peak falls, and the peak without checkpointing.
         regions: each checkpoint (by the module it covers): calls, inputs kept, bytes dropped.
-        diagnostics: boundary warnings (:mod:`remat._diagnose`), each naming the module
+        diagnostics: boundary warnings (:mod:`remat.measure.diagnose`), each naming the module
             and what to do.
         blocks: the model's repeated blocks (per-module totals are shown per block).
     """
@@ -511,7 +511,7 @@ def diagnose(
 
     Example:
         >>> import torch, remat
-        >>> from remat._explain import diagnose
+        >>> from remat.measure.explain import diagnose
         >>> lin = torch.nn.Linear(8, 8)
         >>> fn = lambda x: remat.checkpoint(lin, x * 2).sum()  # keeps the input lin saves
         >>> [d.kind.value for d in diagnose(fn, torch.randn(4, 8, requires_grad=True))]

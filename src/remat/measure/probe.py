@@ -1,7 +1,7 @@
 """One training step under instrumentation: what is allocated where, what is kept and why.
 
 :class:`StepProbe` is the observer of :mod:`remat.engine.observe` and gathers the
-facts :func:`remat.explain` and the diagnostics (:mod:`remat._diagnose`) read:
+facts :func:`remat.explain` and the diagnostics (:mod:`remat.measure.diagnose`) read:
 
 * **Allocations.** A dispatch mode sees every operator and records each new
   tensor storage (not the storage of one of the operator's inputs: views and
@@ -39,9 +39,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._records import UNKNOWN, Alloc, Nesting, PeakPoint, Reason, RegionStats, user_line
-from .engine import observe
-from .engine.tree import tensors_in
+from ..engine import observe
+from ..engine.tree import tensors_in
+from .records import UNKNOWN, Alloc, Nesting, PeakPoint, Reason, RegionStats, user_line
 
 _TORCH_CHECKPOINT = os.path.abspath(torch.utils.checkpoint.__file__)
 _graph_task = torch._C._current_graph_task_id

@@ -26,12 +26,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._blocks import default_blocks
-from .engine import config
-from .engine.checkpoint import checkpoint
-from .engine.forms import InSet, auto_wrap_targets, name_filter, wrapper_options
-from .engine.reentrant import run_reentrant
-from .engine.region import Region
+from ..engine import config
+from ..engine.checkpoint import checkpoint
+from ..engine.forms import InSet, auto_wrap_targets, name_filter, wrapper_options
+from ..engine.reentrant import run_reentrant
+from ..engine.region import Region
+from .blocks import default_blocks
 
 _ATTR = "_remat_checkpoint"  # the config, kept on the module (picklable)
 # Keywords that checkpoint() takes for itself (a forward's keyword must not reach it).
@@ -126,14 +126,14 @@ class _CheckpointedForward:
         if not torch.is_grad_enabled() or config.checkpointing_disabled():
             return forward(*args, **kwargs)
         if opts.offload_only:
-            from .engine.offload import offload
+            from ..engine.offload import offload
 
             with offload():
                 return forward(*args, **kwargs)
         region = Region(module, forward, args, kwargs, copied=not opts.use_reentrant)
         context_fn = opts.context_fn
         if opts.policy is not None:
-            from .engine.selective import create_selective_checkpoint_contexts
+            from ..engine.selective import create_selective_checkpoint_contexts
 
             context_fn = functools.partial(create_selective_checkpoint_contexts, opts.policy)
         extra: dict[str, Any] = dict(opts.fn_kwargs) if opts.fn_kwargs else {}
@@ -150,7 +150,7 @@ class _CheckpointedForward:
             call_args = (*args, *kwargs.values())
             call_kwargs = {}
         if opts.offload_to_cpu:
-            from .engine.offload import offload
+            from ..engine.offload import offload
 
             if context_fn is not None and opts.checkpoint_fn is None:
                 # offload_to_cpu moves the region's inputs: the wrapper's own hooks, which
@@ -621,6 +621,6 @@ def guarded_forward(
     Made when the forward starts (it records buffers, train flags and Python
     arguments then); called again in recompute it runs with the buffers and
     flags the forward started with (see the module docstring). Used by
-    :mod:`remat._spans` for the blocks of a span.
+    :mod:`remat.modules.spans` for the blocks of a span.
     """
     return Region(module, forward, args, kwargs)
