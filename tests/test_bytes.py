@@ -10,7 +10,20 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map_only
 
 import remat
-from remat.engine.bytes import element_bytes, leaves, shares_storage, storage_bytes, storages
+from remat.engine.bytes import (
+    data_address,
+    dense_bytes,
+    element_bytes,
+    held_storages,
+    is_plain,
+    key_of,
+    leaves,
+    same_storage,
+    shares_storage,
+    storage_bytes,
+    storage_key,
+    storages,
+)
 
 # torch warns once per process that CSR is in beta; pytest turns warnings into errors
 pytestmark = [
@@ -78,7 +91,7 @@ class Opaque(torch.Tensor):
 
 def test_a_dense_tensor_is_its_storage():
     x = torch.zeros(3, 5)
-    assert storages(x) == [(x.untyped_storage()._cdata, 60, torch.device("cpu"))]
+    assert storages(x) == [(storage_key(x.untyped_storage()), 60, torch.device("cpu"))]
     assert storage_bytes([x]) == 60 and element_bytes(x) == 60
 
 
@@ -147,8 +160,8 @@ def test_a_wrapper_subclass_is_its_inner_tensors():
     p = Pair(a, b)
     assert storage_bytes([p]) == 16 + 32
     assert {key for key, _, _ in storages(p)} == {
-        a.untyped_storage()._cdata,
-        b.untyped_storage()._cdata,
+        storage_key(a.untyped_storage()),
+        storage_key(b.untyped_storage()),
     }
     assert storage_bytes([Pair(a, a[1:])]) == 16  # two views of one storage: once
     assert shares_storage(p, b) and not shares_storage(p, torch.zeros(4))
@@ -258,3 +271,79 @@ def test_profile_static_bytes_count_a_sparse_csr_buffer_by_its_parts():
     prof = remat.profile(model, x, timer="flops")
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     assert prof.static_bytes == params + 4 * 8 * 4 + CSR_BYTES
+
+
+def _fake() -> torch.Tensor:
+    with FakeTensorMode():
+        return torch.zeros(4, 4)
+
+
+def _nested() -> torch.Tensor:
+    return torch.nested.nested_tensor([torch.zeros(2, 3), torch.zeros(4, 3)], layout=torch.jagged)
+
+
+#: Each kind of tensor, as every function of the module reads it: (make, plain, has a key of
+#: its own storage, storages holding it, storage bytes, element bytes, dense bytes).
+KINDS = {
+    # torch's own dense class: its storage, read first
+    "plain": (lambda: torch.zeros(4, 4), True, True, 1, 64, 64, 64),
+    "parameter": (lambda: nn.Parameter(torch.zeros(4)), True, True, 1, 16, 16, 16),
+    # a view: its whole storage held, its own elements copied
+    "view": (lambda: torch.zeros(4, 4)[1:], True, True, 1, 64, 48, 48),
+    # a plain subclass: its own storage, like a tensor, but not read first
+    "subclass": (lambda: torch.zeros(4, 4).as_subclass(Sub), False, True, 1, 64, 64, 64),
+    # sparse: its parts (indices 2x3 int64, values 3 float32); no storage of its own
+    "sparse": (lambda: torch.eye(3).to_sparse(), False, False, 2, 60, 60, 36),
+    # a traceable wrapper: its inner tensors; its own storage is a placeholder
+    "wrapper": (lambda: Pair(torch.zeros(4), torch.zeros(4)), False, True, 2, 32, 16, 16),
+    # a wrapper without __tensor_flatten__: its placeholder, at its shape's bytes
+    "opaque": (lambda: Opaque(torch.zeros(4)), False, True, 1, 16, 16, 16),
+    # meta and fake: storages on meta hold no bytes (outside meta_holds_bytes)
+    "meta": (lambda: torch.zeros(4, 4, device="meta"), True, True, 0, 0, 64, 64),
+    "fake": (_fake, False, True, 0, 0, 64, 64),
+    # a jagged nested tensor: a traceable wrapper (values 6x3 float32, offsets 3 int64, and
+    # two empty sequence-length tensors)
+    "nested": (_nested, False, True, 4, 96, 72, 72),
+}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_each_kind_of_tensor_is_read_alike_by_every_function(kind):
+    make, plain, own, held, stored, elements, dense = KINDS[kind]
+    t = make()
+    assert is_plain(t) is plain
+    assert (key_of(t) is not None) is own
+    assert len(held_storages(t)) == held
+    assert [storage_key(st) for st in held_storages(t)] == [k for k, _, _ in storages(t)]
+    assert storage_bytes([t]) == stored and storage_bytes([t, t]) == stored
+    assert element_bytes(t) == elements and dense_bytes(t) == dense
+    assert same_storage(t, t) is own
+
+
+def test_views_share_one_key_and_a_clone_has_its_own():
+    x = torch.zeros(4, 4)
+    assert key_of(x) == key_of(x[1:]) == key_of(x.t()) == storage_key(x.untyped_storage())
+    assert key_of(x.clone()) != key_of(x)
+    assert same_storage(x, x[2:]) and not same_storage(x, x.clone())
+
+
+def test_meta_tensors_are_told_apart_by_their_storages_not_their_data():
+    # every meta tensor's data is at 0: the key (the storage itself) still tells them apart,
+    # which is what a profile from shapes needs (spans, the selective cache)
+    a, b = torch.empty(4, device="meta"), torch.empty(4, device="meta")
+    assert same_storage(a, a[1:]) and not same_storage(a, b)
+    assert data_address(a) == key_of(a) != data_address(b)
+    assert not shares_storage(a, a)  # no bytes held: shares none
+
+
+def test_a_tensor_with_no_storage_of_its_own_shares_none_by_identity():
+    s = torch.eye(3).to_sparse()
+    assert key_of(s) is None and not same_storage(s, s)
+    assert shares_storage(s, s)  # its parts hold bytes
+
+
+def test_data_address_is_the_data_of_a_dense_storage_and_the_key_of_an_empty_one():
+    x = torch.zeros(4)
+    assert data_address(x[2:]) == data_address(x) == x.data_ptr()
+    e = torch.empty(0)
+    assert data_address(e) == key_of(e)

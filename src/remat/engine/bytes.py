@@ -19,12 +19,29 @@ planner and offload read them from here.
   tensors inside ``vmap``) and a meta or fake tensor (its storage is on
   ``meta``) hold no bytes.
 
-A storage is identified by its key, the address of its C++ ``StorageImpl``
-(the same for every Python object of one storage, and for every view): two
-tensors share memory when one storage key of each is the same.
+A storage is identified by its key (:func:`storage_key`), the address of its C++
+``StorageImpl`` (the same for every Python object of one storage, and for every view):
+two tensors share memory when one storage key of each is the same. This module is the
+only reader of that address; :func:`data_address` is where a storage's data are.
 
-:func:`element_bytes` is a different quantity: the bytes of a tensor's own
-elements (a view's, not its storage's), what a copy of it moves.
+Two other quantities: :func:`element_bytes`, the bytes of a tensor's own elements (a
+view's, not its storage's), what a copy of it moves; :func:`dense_bytes`, its elements
+times their size (a sparse tensor at its dense size), what counted operators read.
+
+Each kind of tensor as read here: what holds it (:func:`leaves`), the key of its own
+storage (:func:`key_of`) and its element bytes (``tests/engine/test_bytes.py`` checks each):
+
+=================  ======================  ===================  ===================
+tensor             held by                 own key              element bytes
+=================  ======================  ===================  ===================
+plain, Parameter   itself                  its storage's        its elements'
+view               itself (storage whole)  its base's           the view's own
+sparse             its parts               none                 its parts'
+traceable wrapper  its inner tensors       its placeholder's    its elements'
+meta, fake         nothing (inside         its storage's,       its elements'
+                   meta_holds_bytes:       on meta
+                   itself)
+=================  ======================  ===================  ===================
 """
 
 from __future__ import annotations
@@ -76,6 +93,70 @@ def meta_counts() -> bool:
     return _META_HOLDS.get()
 
 
+def is_plain(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a dense tensor of torch's own class (a ``Parameter`` too): held by its
+    own storage, the common case read first (no subclass, no sparse parts).
+
+    Example:
+        >>> import torch
+        >>> is_plain(torch.zeros(2)), is_plain(torch.nn.Parameter(torch.zeros(2)))
+        (True, True)
+        >>> is_plain(torch.eye(2).to_sparse())
+        False
+    """
+    return type(t) in _PLAIN and t.layout is _STRIDED
+
+
+def storage_key(st: torch.UntypedStorage) -> int:
+    """The identity of a storage: the address of its C++ ``StorageImpl``, the same for every
+    Python object of it and every view onto it (a meta storage's too, whose data are at 0).
+
+    Example:
+        >>> import torch
+        >>> x = torch.zeros(4)
+        >>> storage_key(x.untyped_storage()) == storage_key(x[1:].untyped_storage())
+        True
+    """
+    return int(st._cdata)
+
+
+def key_of(t: torch.Tensor) -> int | None:
+    """The key of ``t``'s own storage (a wrapper subclass's placeholder, a meta tensor's on
+    meta), or ``None`` for a tensor with none (sparse, functorch's batched tensors)."""
+    st = _storage(t)
+    return None if st is None else storage_key(st)
+
+
+def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are views of one storage object, their own, empty and meta ones
+    included (:func:`shares_storage` reads the storages holding bytes instead).
+
+    Example:
+        >>> import torch
+        >>> x = torch.empty(4, device="meta")
+        >>> same_storage(x, x[1:]), same_storage(x, torch.empty(4, device="meta"))
+        (True, False)
+    """
+    key = key_of(a)
+    return key is not None and key == key_of(b)
+
+
+def data_address(t: torch.Tensor) -> int:
+    """Where ``t``'s storage is: its data's address, or for a meta or fake tensor (whose data
+    are all at 0) and an empty storage its key.
+
+    Example:
+        >>> import torch
+        >>> x = torch.zeros(4)
+        >>> data_address(x[2:]) == data_address(x) == x.data_ptr()
+        True
+    """
+    st = t.untyped_storage()
+    if st.device.type == "meta":  # a meta or fake tensor: its data are nowhere
+        return storage_key(st)
+    return st.data_ptr() or storage_key(st)
+
+
 def leaves(t: torch.Tensor) -> list[torch.Tensor]:
     """The dense tensors whose storages hold ``t``'s memory (none for a meta tensor).
 
@@ -85,7 +166,7 @@ def leaves(t: torch.Tensor) -> list[torch.Tensor]:
         >>> [tuple(p.shape) for p in leaves(s)]  # its indices and values
         [(2, 3), (3,)]
     """
-    if t.layout is _STRIDED and type(t) in _PLAIN:
+    if is_plain(t):
         return [] if t.is_meta and not _META_HOLDS.get() else [t]
     if is_traceable_wrapper_subclass(t):
         names, _ = t.__tensor_flatten__()
@@ -116,6 +197,11 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
         return None
 
 
+def held_storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages that hold ``t``'s memory: those of its :func:`leaves`."""
+    return [st for leaf in leaves(t) if (st := _storage(leaf)) is not None]
+
+
 def storages(t: torch.Tensor) -> list[tuple[int, int, torch.device]]:
     """``(key, nbytes, device)`` of each storage that holds ``t``'s memory.
 
@@ -129,7 +215,7 @@ def storages(t: torch.Tensor) -> list[tuple[int, int, torch.device]]:
     for leaf in leaves(t):
         st = _storage(leaf)
         if st is not None:
-            out.append((st._cdata, st.nbytes(), leaf.device))
+            out.append((storage_key(st), st.nbytes(), leaf.device))
     return out
 
 
@@ -153,7 +239,7 @@ def storage_bytes(tensors: Iterable[object], device: torch.device | None = None)
                 continue
             st = _storage(leaf)
             if st is not None:
-                seen[st._cdata] = st.nbytes()
+                seen[storage_key(st)] = st.nbytes()
     return sum(seen.values())
 
 
@@ -183,5 +269,17 @@ def element_bytes(t: torch.Tensor) -> int:
         return t.nbytes
     parts = _SPARSE_PARTS.get(t.layout)
     if parts is None:
-        return t.numel() * t.element_size()
+        return dense_bytes(t)
     return sum(getattr(t, p)().nbytes for p in parts)
+
+
+def dense_bytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s elements at their size, as if dense (a sparse tensor at its dense
+    size): what the cost model counts an operator reading ``t`` to move.
+
+    Example:
+        >>> import torch
+        >>> dense_bytes(torch.zeros(4, 4)[0]), dense_bytes(torch.eye(3).to_sparse())
+        (16, 36)
+    """
+    return t.numel() * t.element_size()

@@ -80,7 +80,7 @@ from torch.utils._python_dispatch import _disable_current_modes as _no_modes
 
 from ..policies import CheckpointPolicy, OpPolicy
 from . import observe
-from .bytes import element_bytes
+from .bytes import data_address, element_bytes
 from .errors import CheckpointError
 from .offload import HostStash, shared_stash
 from .state import host_state, tensor_state
@@ -233,19 +233,10 @@ class _Saved:
     def ptrs(self) -> list[int]:
         """The storages of the saved tensors (watched for writes inside the region)."""
         return [
-            _address(t)
+            data_address(t)
             for t in self.tensors()
             if t.layout is torch.strided and t.numel()
         ]
-
-
-def _address(t: torch.Tensor) -> int:
-    """Where ``t``'s storage is: its data's address, or for a meta or fake tensor (whose data
-    are all at 0) its storage's (a profile from shapes, :mod:`remat.planner.meta`)."""
-    st = t.untyped_storage()
-    if st.device.type == "meta":  # a meta or fake tensor: its data are nowhere
-        return int(st._cdata)
-    return st.data_ptr() or st._cdata
 
 
 class _Passed:
@@ -274,7 +265,7 @@ class _Passed:
         self.held: list[Any] | None = aliases
         self.versions = [o._version if isinstance(o, torch.Tensor) else None for o in outs]
         self.ptrs = [
-            _address(o)
+            data_address(o)
             for o in outs
             if isinstance(o, torch.Tensor) and o.layout is torch.strided and o.numel()
         ]
@@ -600,7 +591,7 @@ class _SaveMode(TorchDispatchMode):
             outs = [out] if isinstance(out, torch.Tensor) else list(out)
             for i, o in enumerate(outs):
                 if isinstance(o, torch.Tensor) and o.layout is torch.strided and o.numel():
-                    self.offloaded[_address(o)] = (entry, i)
+                    self.offloaded[data_address(o)] = (entry, i)
         if _SEEDED in func.tags:
             entry.rng = _rng_after(out)
         entries.append(entry)
@@ -621,7 +612,7 @@ class _SaveMode(TorchDispatchMode):
             v = args[i] if i < len(args) else kwargs.get(a.name)
             for t in v if isinstance(v, (list, tuple)) else (v,):
                 if isinstance(t, torch.Tensor) and t.layout is torch.strided and t.numel():
-                    ptr = _address(t)
+                    ptr = data_address(t)
                     hit = self.offloaded.pop(ptr, None)
                     if hit is not None:
                         hit[0].protect(hit[1])

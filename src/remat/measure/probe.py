@@ -40,6 +40,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..engine import observe
+from ..engine.bytes import is_plain, storage_key
 from ..engine.tree import tensors_in
 from .records import UNKNOWN, Alloc, Nesting, PeakPoint, Reason, RegionStats, user_line
 
@@ -47,7 +48,6 @@ _TORCH_CHECKPOINT = os.path.abspath(torch.utils.checkpoint.__file__)
 _graph_task = torch._C._current_graph_task_id
 _current_node = torch._C._current_autograd_node
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
-_PLAIN = (torch.Tensor, nn.Parameter)
 _TAG = "remat.explain"  # key of the module/line tag in an autograd node's metadata
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
 
@@ -134,10 +134,10 @@ class _Recorder(TorchDispatchMode):
             new = []
             inputs: set[int] | None = None
             for t in outs:
-                if type(t) not in _PLAIN or t.layout is not torch.strided or t.is_meta:
+                if not is_plain(t) or t.is_meta:
                     continue
                 st = t.untyped_storage()
-                key = st._cdata
+                key = storage_key(st)
                 known = probe.allocs.get(key)
                 if known is not None and known.died is None:
                     continue
@@ -161,7 +161,7 @@ def _storage_keys(args: Any, keys: set[int]) -> None:
     for a in args:
         if isinstance(a, torch.Tensor):
             if a.layout is torch.strided and not a.is_meta:
-                keys.add(a.untyped_storage()._cdata)
+                keys.add(storage_key(a.untyped_storage()))
         elif isinstance(a, (list, tuple)):
             _storage_keys(a, keys)
 
@@ -393,7 +393,7 @@ class StepProbe:
         """The record of ``t``'s storage when it was allocated during the step and is alive."""
         if not isinstance(t, torch.Tensor) or t.layout is not torch.strided or t.is_meta:
             return None
-        a = self.allocs.get(t.untyped_storage()._cdata)
+        a = self.allocs.get(storage_key(t.untyped_storage()))
         return a if a is not None and a.died is None else None
 
     # -- what is kept ----------------------------------------------------------------

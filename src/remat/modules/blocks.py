@@ -63,7 +63,7 @@ from typing import Any
 
 from torch import nn
 
-_PLAIN = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
 def default_blocks(model: nn.Module) -> list[str]:
@@ -97,7 +97,7 @@ def _walk(module: nn.Module, prefix: str, out: list[str], seen: set[int]) -> Non
     seen.add(id(module))
     kids = list(module.named_children())
     members = _stack(kids)
-    if members and isinstance(module, _PLAIN):  # its single layers are steps of the chain
+    if members and isinstance(module, _CONTAINERS):  # its single layers are steps of the chain
         members |= {i for i, (_, c) in enumerate(kids) if not _holds_modules(c)}
     _visit(kids, members, prefix, out, seen)
 
@@ -145,7 +145,7 @@ def _enter_stage(stage: nn.Module, prefix: str, out: list[str], seen: set[int]) 
         _forced(stage, prefix, out, seen)
         return
     for name, child in stage.named_children():
-        if isinstance(child, _PLAIN) and _is_run(child):
+        if isinstance(child, _CONTAINERS) and _is_run(child):
             if id(child) not in seen:
                 seen.add(id(child))
                 _forced(child, prefix + name + ".", out, seen)
@@ -163,7 +163,7 @@ def _holds_modules(m: nn.Module) -> bool:
 
 
 def _kind(m: nn.Module) -> Any:
-    if type(m) in _PLAIN:
+    if type(m) in _CONTAINERS:
         return (type(m), tuple(type(c) for c in m.children()))
     return type(m)
 
@@ -187,7 +187,7 @@ def _is_run(m: nn.Module) -> bool:
     """A container whose children all hold modules and are of one class."""
     kids = list(m.children())
     return (
-        isinstance(m, _PLAIN)
+        isinstance(m, _CONTAINERS)
         and bool(kids)
         and all(_holds_modules(c) for c in kids)
         and len({type(c) for c in kids}) == 1
@@ -197,7 +197,7 @@ def _is_run(m: nn.Module) -> bool:
 def _runs(m: nn.Module) -> list[nn.Module]:
     if _is_run(m):
         return [m]
-    return [c for c in m.children() if isinstance(c, _PLAIN) and _is_run(c)]
+    return [c for c in m.children() if isinstance(c, _CONTAINERS) and _is_run(c)]
 
 
 def _computes(m: nn.Module) -> bool:

@@ -115,6 +115,7 @@ import torch
 from torch import nn
 
 from ..engine import config
+from ..engine.bytes import same_storage
 from ..engine.errors import PlanError
 from ..engine.nonreentrant import PiecewiseRegion, SavedInputs, run_nonreentrant
 from ..engine.offload import moves_to_host, offload_shared
@@ -301,7 +302,7 @@ class _Run:
         alive = [(i, t) for i, r in self.carriers if (t := r()) is not None]
         for i, t in alive:
             # a later block's output may be a view of it (a reshape): that keeps no more
-            shared = any(_same_storage(t, u) for k, u in alive if k > i)
+            shared = any(same_storage(t, u) for k, u in alive if k > i)
             if i < len(names) - 2 and not shared:
                 raise PlanError(
                     f"remat span [{_label(names)}]: the output of {names[i]} is still "
@@ -338,14 +339,6 @@ class _Run:
                 piece.state.exit(token)
             prev = []
             tensors_in(out, prev)
-
-
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    # the storages themselves, not their data's addresses: every meta tensor's data is at 0
-    try:
-        return bool(a.untyped_storage()._cdata == b.untyped_storage()._cdata)
-    except (RuntimeError, NotImplementedError):  # no storage (a tensor subclass)
-        return False
 
 
 class _Span:

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..engine.bytes import dense_bytes
 from ..engine.selective import RECOMPUTE_ENTRY, create_selective_checkpoint_contexts
 from ..engine.state import ForwardState
 from ..engine.tree import tensors_in
@@ -111,7 +112,7 @@ def _tensor_bytes(tree: Any) -> tuple[int, torch.dtype | None]:
     found: list[torch.Tensor] = []
     tensors_in(tree, found)
     dtype = next((t.dtype for t in found if t.is_floating_point()), None)
-    return sum(t.numel() * t.element_size() for t in found), dtype
+    return sum(dense_bytes(t) for t in found), dtype
 
 
 #: Operators that draw random numbers (dropout's mask): several times slower per byte than
