@@ -2,7 +2,7 @@
 
 :func:`track` counts the bytes of every tensor *storage* allocated inside the
 context and still alive, per device and in total, with the peak, across
-forward and backward. Design (each point checked by ``tests/test_memory.py``):
+forward and backward. Design (each point checked by ``tests/measure/test_memory.py``):
 
 * **Seeing allocations.** A ``TorchDispatchMode`` sees every ATen operator
   below autograd, including those the autograd engine runs in backward
@@ -38,7 +38,7 @@ largest with the profiler, :mod:`remat.planner.scratch`), allocator rounding and
 caching, memory of tensor storages that existed before the context even when
 resized inside it, and anything run in threads the context does not reach
 (a ``DataLoader`` worker). Between operators, the bytes alive match the
-allocator exactly: ``tests/test_memory.py`` compares them with the raw
+allocator exactly: ``tests/measure/test_memory.py`` compares them with the raw
 allocation events of ``torch.profiler`` on CPU and with
 ``torch.cuda.max_memory_allocated`` on a GPU.
 

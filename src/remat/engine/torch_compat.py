@@ -2,7 +2,7 @@
 
 remat supports torch 2.11 to 2.14 (README, "Compatibility"). Each name below is
 the torch behaviour it handles and says which versions have it;
-``tests/test_torch_compat.py`` runs each on a torch that takes it (the other side
+``tests/engine/test_torch_compat.py`` runs each on a torch that takes it (the other side
 by patching these names, so every path runs on any installed torch):
 
 - :data:`make_saved_tensor`: autograd makes a ``SavedTensor`` from Python

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-EXAMPLES = pathlib.Path(__file__).parent.parent / "examples"
+EXAMPLES = pathlib.Path(__file__).parents[2] / "examples"
 
 
 @pytest.mark.slow

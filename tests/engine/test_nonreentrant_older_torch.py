@@ -63,7 +63,7 @@ def test_an_input_changed_in_place_after_forward_raises_on_older_torch(older_tor
     y = remat.checkpoint(fn, a, w)
     with torch.no_grad():
         a.add_(1.0)
-    # autograd's words, as where torch makes the SavedTensor (tests/test_nonreentrant.py
+    # autograd's words, as where torch makes the SavedTensor (tests/engine/test_nonreentrant.py
     # expects them on every torch), then which input and its versions
     with pytest.raises(
         RuntimeError,

@@ -410,7 +410,7 @@ def test_errors_do_not_print_private_class_names():
 
 def test_double_backward_over_a_selective_region_works_where_torch_refuses():
     # a backward that builds a graph keeps what the policy saved for the next one; a plain
-    # second backward after retain_graph=True raises in both (tests/test_selective.py).
+    # second backward after retain_graph=True raises in both (tests/engine/test_selective.py).
     # torch 2.13 and 2.14 raise "Trying to backward an extra time" here; 2.11 fails otherwise
     def grads(ckpt, create):
         x, w = data(4, 4, seed=0), data(4, 4, seed=1)

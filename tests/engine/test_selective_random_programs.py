@@ -319,7 +319,7 @@ def check_against_torch(
             "has been mutated" in str(theirs.error) and preferred
         ), f"torch raised, remat not: {theirs.error!r}"
     if ours.again_error is not None:  # a second backward used up saved outputs: torch's words
-        # (torch's own second backward: tests/test_selective.py, on every torch of the range)
+        # (torch's own second backward: tests/engine/test_selective.py, on every torch of the range)
         assert "Trying to backward an extra time" in str(ours.again_error), ours.again_error
     assert_matches_reference(ref, ours, "remat")
     if theirs.error is None and not torch_known_wrong(saved):

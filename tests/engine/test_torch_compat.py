@@ -1,7 +1,7 @@
 """remat.engine.torch_compat: each torch behaviour remat handles, on a torch that takes it.
 
 The installed torch takes one side of each; the other side runs by patching the name
-(tests/test_nonreentrant_older_torch.py for ``make_saved_tensor``). Also here: what
+(tests/engine/test_nonreentrant_older_torch.py for ``make_saved_tensor``). Also here: what
 torch 2.14's ``torch.autograd.graph.node_creation_hook`` sees of a recompute, remat's
 against torch's.
 """
