@@ -3,7 +3,7 @@
     pip install nox                            # or: pip install -e '.[dev]'
     nox -l                             # the sessions: tests(2.11.0), tests(2.13.0), ...
     nox -s "tests(2.11.0)"             # the default suite (python -m pytest -q) on 2.11.0
-    nox -s "tests(2.14.1)" -- -x tests/test_checkpoint_curried.py   # pytest's arguments
+    nox -s "tests(2.14.1)" -- -x tests/engine/test_checkpoint_curried.py   # pytest's arguments
     nox -s tests                       # every version, one after the other
 
 Each session makes a fresh virtual environment, installs ``torch==<version>`` first

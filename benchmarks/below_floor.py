@@ -1,6 +1,6 @@
 """Below the per-block floor: spans over several blocks and split blocks on a deep long-sequence GPT.
 
-Strategies (remat._spans, the mechanism the planner applies):
+Strategies (remat.modules.spans, the mechanism the planner applies):
 
 * ``none``: no checkpointing;
 * ``every``: every block checkpointed (the per-block floor);
@@ -36,9 +36,9 @@ import torch
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import remat
-from remat._spans import apply_span
-from remat._split import split_block
 from remat.bench.models import ModelConfig, build, example_input
+from remat.modules.spans import apply_span
+from remat.modules.split import split_block
 
 
 def _every(model: torch.nn.Module, split: bool) -> None:

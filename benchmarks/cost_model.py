@@ -41,7 +41,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 import remat
-from remat._modelinfo import candidates
+from remat.modules.modelinfo import candidates
 from remat.planner.calibration import constants
 from remat.planner.counting import CLASSES, OpCount, _Counter, op_class
 

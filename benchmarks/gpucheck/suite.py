@@ -18,7 +18,7 @@ from typing import Any
 from .device import ROOT, Check
 from .run import Deadline
 
-DRY_FILES = ("tests/test_torch_compat.py", "tests/test_checkpoint_curried.py")
+DRY_FILES = ("tests/engine/test_torch_compat.py", "tests/engine/test_checkpoint_curried.py")
 """What a dry run runs (two shards: the sharding code runs, in seconds)."""
 
 

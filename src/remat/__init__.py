@@ -8,8 +8,8 @@ Example:
 """
 
 from . import memory, policies
-from ._checkpoint import checkpoint, noop_context_fn
-from ._config import (
+from .engine.checkpoint import checkpoint, noop_context_fn
+from .engine.config import (
     GraphExecGroup,
     disable_checkpointing,
     is_checkpointing,
@@ -17,21 +17,26 @@ from ._config import (
     set_checkpoint_debug_enabled,
     set_checkpoint_early_stop,
 )
-from ._diagnose import Diagnostic
-from ._errors import CheckpointError, PlanError, RematError
-from ._explain import Explanation, explain
-from ._forms import CheckpointImpl
-from ._offload import OffloadStats, offload
-from ._reentrant import CheckpointFunction, check_backward_validity, detach_variable
-from ._selective import (
+from .engine.errors import CheckpointError, PlanError, RematError
+from .engine.forms import CheckpointImpl
+from .engine.offload import OffloadStats, offload
+from .engine.reentrant import CheckpointFunction, check_backward_validity, detach_variable
+from .engine.selective import (
     SAC_IGNORED_OPS,
     SelectiveCheckpointContext,
     create_selective_checkpoint_contexts,
 )
-from ._sequential import checkpoint_sequential
-from ._state import DefaultDeviceType, get_device_states, set_device_states
-from ._verify import Report, verify
-from ._wrap import apply_activation_checkpointing, checkpoint_wrapper, offload_wrapper, unwrap
+from .engine.sequential import checkpoint_sequential
+from .engine.state import DefaultDeviceType, get_device_states, set_device_states
+from .measure.diagnose import Diagnostic
+from .measure.explain import Explanation, explain
+from .measure.verify import Report, verify
+from .modules.wrap import (
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+    offload_wrapper,
+    unwrap,
+)
 from .planner import (
     Inputs,
     Plan,

@@ -2,7 +2,7 @@
 
 :func:`track` counts the bytes of every tensor *storage* allocated inside the
 context and still alive, per device and in total, with the peak, across
-forward and backward. Design (each point checked by ``tests/test_memory.py``):
+forward and backward. Design (each point checked by ``tests/measure/test_memory.py``):
 
 * **Seeing allocations.** A ``TorchDispatchMode`` sees every ATen operator
   below autograd, including those the autograd engine runs in backward
@@ -38,7 +38,7 @@ largest with the profiler, :mod:`remat.planner.scratch`), allocator rounding and
 caching, memory of tensor storages that existed before the context even when
 resized inside it, and anything run in threads the context does not reach
 (a ``DataLoader`` worker). Between operators, the bytes alive match the
-allocator exactly: ``tests/test_memory.py`` compares them with the raw
+allocator exactly: ``tests/measure/test_memory.py`` compares them with the raw
 allocation events of ``torch.profiler`` on CPU and with
 ``torch.cuda.max_memory_allocated`` on a GPU.
 
@@ -73,13 +73,12 @@ from typing import Any, Protocol
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._bytes import leaves, meta_counts, storage_bytes
-from ._config import is_recomputing
-from ._tree import tensors_in
+from .engine.bytes import is_plain, leaves, meta_counts, storage_bytes, storage_key
+from .engine.config import is_recomputing
+from .engine.tree import tensors_in
 
 __all__ = ["BlockHooks", "MemoryTracker", "ModuleMemory", "Probe", "track", "track_modules"]
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 class _StorageRef(weakref.ref):  # type: ignore[type-arg]
@@ -131,7 +130,7 @@ class MemoryTracker:
         self._watched: list[list[Any]] = []  # [storage, bytes last seen, device]
         self._watched_keys: set[int] = set()
         #: whether meta storages hold bytes for this tracker: made inside
-        #: :func:`remat._bytes.meta_holds_bytes` (a profile from shapes), never for a tracker
+        #: :func:`remat.engine.bytes.meta_holds_bytes` (a profile from shapes), never for a tracker
         #: made outside, around one (a fake tensor's storage is on meta, its device real)
         self.holds_meta = meta_counts()
 
@@ -211,8 +210,9 @@ class MemoryTracker:
                 device = _device_key(st.device)
                 if self.device is not None and device != self.device:
                     continue
-                if st._cdata not in self._watched_keys:
-                    self._watched_keys.add(st._cdata)
+                key = storage_key(st)
+                if key not in self._watched_keys:
+                    self._watched_keys.add(key)
                     self._watched.append([st, st.nbytes(), device])
 
     def include(self, tensors: Iterable[Any]) -> int:
@@ -244,14 +244,14 @@ class MemoryTracker:
         for obj in tensors:
             if not isinstance(obj, torch.Tensor):
                 continue
-            for t in (obj,) if type(obj) in _PLAIN and obj.layout is torch.strided else leaves(obj):
+            for t in (obj,) if is_plain(obj) else leaves(obj):
                 st = t.untyped_storage()
                 if st.device.type == "meta" and not (self.holds_meta and meta_counts()):
                     continue
                 device = _device_key(t.device)
                 if self.device is not None and device != self.device:
                     continue
-                key = st._cdata
+                key = storage_key(st)
                 with self._lock:
                     known = self._knows(key) is not None or key in self._watched_keys
                 if not known:
@@ -360,17 +360,17 @@ def _device_key(device: torch.device) -> str:
 
 def _input_keys(args: Any, keys: set[int]) -> None:
     for a in args:
-        if type(a) in _PLAIN and a.layout is torch.strided:
-            keys.add(a.untyped_storage()._cdata)
+        if is_plain(a):
+            keys.add(storage_key(a.untyped_storage()))
         elif isinstance(a, torch.Tensor):
             for leaf in leaves(a):
-                keys.add(leaf.untyped_storage()._cdata)
+                keys.add(storage_key(leaf.untyped_storage()))
         elif isinstance(a, (list, tuple)):
             _input_keys(a, keys)
         elif isinstance(a, torch.UntypedStorage):
-            keys.add(a._cdata)
+            keys.add(storage_key(a))
         elif isinstance(a, torch.TypedStorage):
-            keys.add(a._untyped_storage._cdata)
+            keys.add(storage_key(a._untyped_storage))
 
 
 class _TrackMode(TorchDispatchMode):
@@ -388,7 +388,7 @@ class _TrackMode(TorchDispatchMode):
             with tracker._lock:
                 tracker._apply_frees()
         out = func(*args, **kwargs)
-        if type(out) in _PLAIN and out.layout is torch.strided:
+        if is_plain(out):
             self._record((out,), func, args, kwargs)
         elif isinstance(out, (tuple, list, torch.Tensor)):
             flat: list[torch.Tensor] = []
@@ -401,15 +401,14 @@ class _TrackMode(TorchDispatchMode):
         tracker = self.tracker
         inputs: set[int] | None = None
         for out in outs:
-            plain = type(out) in _PLAIN and out.layout is torch.strided
-            for t in (out,) if plain else leaves(out):
+            for t in (out,) if is_plain(out) else leaves(out):
                 st = t.untyped_storage()
                 if st.device.type == "meta" and not (tracker.holds_meta and meta_counts()):
                     continue
                 device = str(t.device)
                 if tracker.device is not None and device != tracker.device:
                     continue
-                key = st._cdata
+                key = storage_key(st)
                 ref = tracker._knows(key)
                 if ref is not None:
                     if ref.nbytes != st.nbytes():

@@ -10,7 +10,7 @@ from torch import nn
 
 import remat
 from remat import Diagnostic
-from remat._diagnose import Kind
+from remat.measure.diagnose import Kind
 from remat.planner.advice import HEAD, nested, on_model
 from remat.planner.stepmodel import head_bytes
 

@@ -14,7 +14,7 @@ from torch import nn
 
 import remat
 from remat import memory
-from remat._bytes import storage_bytes
+from remat.engine.bytes import storage_bytes
 from remat.planner.amp import outside
 from remat.planner.apply import apply_decision
 from remat.planner.state import optimizer_tensors, static_bytes

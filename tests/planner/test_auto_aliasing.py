@@ -90,7 +90,7 @@ def test_profile_records_outputs_the_model_keeps_and_plans_no_span_over_them():
 
 
 def test_outputs_a_model_collects_but_does_not_pass_on_do_not_limit_spans():
-    from remat._spans import apply_span
+    from remat.modules.spans import apply_span
 
     class Block(nn.Module):
         def __init__(self) -> None:
@@ -132,8 +132,8 @@ def test_a_span_the_model_refuses_leaves_the_model_as_it_was():
     # the user's model raised
     import dataclasses
 
-    from remat._spans import spans_in
-    from remat._wrap import wrapping_state
+    from remat.modules.spans import spans_in
+    from remat.modules.wrap import wrapping_state
 
     torch.manual_seed(0)
     model, x = UNet(), torch.randn(8, 3, 32, 32)

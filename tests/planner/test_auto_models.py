@@ -132,7 +132,7 @@ def test_a_span_frees_the_tuple_one_block_passes_to_the_next():
     # passing tuples freed less than the plan predicted (the measured peak was over it)
     import weakref
 
-    from remat._spans import apply_span
+    from remat.modules.spans import apply_span
 
     torch.manual_seed(0)
     model = nn.Sequential(*[TupleBlock() for _ in range(3)])

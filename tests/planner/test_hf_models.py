@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import remat
-from remat._blocks import default_blocks
+from remat.modules.blocks import default_blocks
 from tests.support.budgetcheck import check_default_plans
 from tests.support.hf_models import FAMILIES, MORE_FAMILIES, llama
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import remat
-from remat._errors import PlanError
+from remat.engine.errors import PlanError
 from remat.planner.shapefit import ShapeFit, interpolate, terms
 from tests.support.models import GPT
 from tests.support.vision_models import ConvChain, ResNet

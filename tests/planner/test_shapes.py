@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import remat
-from remat._wrap import is_wrapped
+from remat.modules.wrap import is_wrapped
 from remat.planner.shapes import ShapePlans
 from tests.support.models import GPT
 from tests.support.vision_models import ResNet

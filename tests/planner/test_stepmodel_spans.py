@@ -77,7 +77,7 @@ def test_span_and_split_predictions_equal_measured_steps():
 
 
 def test_plan_apply_with_split_spans_is_predicted_exactly_and_keeps_gradients():
-    # Plan.apply puts spans on through remat._spans with inner="split": the children it makes
+    # Plan.apply puts spans on through remat.modules.spans with inner="split": the children it makes
     # regions are the ones the profile measured for the block's "split" (one rule, _split)
     cfg = ModelConfig(layers=4, d_model=32, seq=64, batch=2, heads=2, vocab=64)  # dropout 0.1
     x = example_input(cfg)

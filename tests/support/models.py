@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import remat
-from remat._spans import apply_span
 from remat.bench.models import ModelConfig
+from remat.modules.spans import apply_span
 
 TINY_GPT = ModelConfig(layers=3, d_model=32, seq=16, batch=2, heads=2, vocab=64)  # dropout 0.1
 """The built-in GPT at three layers of width 32."""

@@ -1,6 +1,6 @@
 """A simulated asynchronous device: tests the offload engine's stream discipline on a CPU.
 
-The offload engine (:mod:`remat._offload`) reaches streams, events, copies and
+The offload engine (:mod:`remat.engine.offload`) reaches streams, events, copies and
 allocation only through a ``_StreamOps`` object. :func:`simulated_device`
 patches the engine so every tensor it stashes is treated as a device tensor
 and served by :class:`SimOps`, which behaves like an asynchronous device:
@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _disable_current_modes as _no_modes
 from torch.utils._pytree import tree_leaves
 
-import remat._offload as engine
+import remat.engine.offload as engine
 
 
 class RaceError(AssertionError):
@@ -79,7 +79,7 @@ class SimEvent:
 
 
 class SimOps:
-    """Stands in for ``remat._offload._StreamOps`` on a simulated device."""
+    """Stands in for ``remat.engine.offload._StreamOps`` on a simulated device."""
 
     def __init__(self, seed: int = 0, progress: float = 0.3) -> None:
         self.rng = random.Random(seed)

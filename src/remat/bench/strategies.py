@@ -19,8 +19,8 @@ import torch
 import torch.utils.checkpoint as tuc
 from torch import nn
 
-from .._checkpoint import checkpoint
-from .._selective import create_selective_checkpoint_contexts
+from ..engine.checkpoint import checkpoint
+from ..engine.selective import create_selective_checkpoint_contexts
 from ..policies import matmul_ops, offload_matmuls, save_matmuls
 
 
@@ -166,7 +166,7 @@ def registry() -> dict[str, Strategy]:
 
 def _extra_strategies() -> list[Strategy]:
     """The module wrapper and the planner at three budgets (sharing one profile)."""
-    from .._wrap import checkpoint_wrapper
+    from ..modules.wrap import checkpoint_wrapper
 
     def _wrapper(model: nn.Module, example: Any) -> None:
         for block in _blocks(model):

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 from torch import nn
 
-from .._blocks import default_blocks
+from ..modules.blocks import default_blocks
 from ._usage import UsageError
 
 BlockFilter = Callable[[str, nn.Module], bool]

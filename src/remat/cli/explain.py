@@ -15,8 +15,8 @@ import argparse
 import sys
 from typing import Any
 
-from .._explain import explain
-from .._wrap import apply_activation_checkpointing
+from ..measure.explain import explain
+from ..modules.wrap import apply_activation_checkpointing
 from ._blocks import add_blocks_argument, blocks_filter, for_the_shell, parse_blocks
 from ._factory import (
     FACTORY_HELP,

@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
-from .._errors import PlanError
-from .._modelinfo import device_of
+from ..engine.errors import PlanError
+from ..modules.modelinfo import device_of
 from ..planner import advice
 from ..planner.apply import restore_state, snapshot_state
 from ..planner.calibration import named as named_calibration

@@ -28,8 +28,8 @@ import os
 import sys
 from typing import Any
 
-from .._errors import PlanError
-from .._verify import verify
+from ..engine.errors import PlanError
+from ..measure.verify import verify
 from ..planner.auto import measure_peak
 from ..planner.measure import profile
 from ..planner.meta import is_meta

@@ -15,7 +15,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .. import apply_activation_checkpointing, unwrap
 from .. import auto_checkpoint as plan_and_apply
-from .._modelinfo import check_module
+from ..modules.modelinfo import check_module
 from ..planner.checks import check_options
 from ._extras import require
 

@@ -49,8 +49,8 @@ import torch
 from torch import nn
 
 from .. import memory
-from .._modelinfo import device_of
-from .._tree import tensors_in
+from ..engine.tree import tensors_in
+from ..modules.modelinfo import device_of
 from ..planner.render import fmt_bytes
 from ..planner.state import optimizer_tensors, trainable
 

@@ -1,6 +1,6 @@
 """Boundary warnings for a plan, from what the planner knows without another step.
 
-The rules of :mod:`remat._diagnose` read an instrumented step (``remat explain``,
+The rules of :mod:`remat.measure.diagnose` read an instrumented step (``remat explain``,
 ``remat.verify``). Two of them apply to a plan before it runs, and the plan's table
 prints them (:attr:`remat.Plan.diagnostics`):
 
@@ -18,7 +18,7 @@ prints them (:attr:`remat.Plan.diagnostics`):
 The other two rules (a region that frees nothing, a wrap that raises the peak) cannot
 fire for a plan the planner chose (it checkpoints a block only where that saves bytes at
 the peak); ``remat.auto_checkpoint(..., diagnose=True)`` runs them all on a step of the
-planned model (:func:`remat._explain.diagnose`).
+planned model (:func:`remat.measure.explain.diagnose`).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._diagnose import LOSS_HEAD_SHARE, Diagnostic, Kind, hf_checkpointing, related
-from .._wrap import is_wrapped
+from ..measure.diagnose import LOSS_HEAD_SHARE, Diagnostic, Kind, hf_checkpointing, related
+from ..modules.wrap import is_wrapped
 from .apply import split_children
 from .render import fmt_bytes
 from .stepmodel import attribution, head_bytes, plan_terms
@@ -179,7 +179,7 @@ def on_model(
     """
     found = [*plan.diagnostics, *nested(model, plan)]
     if step is not None:
-        from .._explain import diagnose
+        from ..measure.explain import diagnose
 
         args, kwargs = step
         found += diagnose(model, *args, loss_fn=loss_fn, **kwargs)

@@ -37,7 +37,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .._state import autocast_types
+from ..engine.state import autocast_types
 
 
 def caller_autocast() -> bool:

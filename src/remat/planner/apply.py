@@ -13,18 +13,24 @@ from typing import Any
 
 from torch import nn
 
-from .._errors import PlanError
-from .._spans import apply_span, remove_span, span_of
-from .._split import can_split
-from .._split import split_children as split_names
-from .._wrap import checkpoint_wrapper, offload_only, set_wrapping_state, unwrap, wrapping_state
+from ..engine.errors import PlanError
+from ..modules.spans import apply_span, remove_span, span_of
+from ..modules.split import can_split
+from ..modules.split import split_children as split_names
+from ..modules.wrap import (
+    checkpoint_wrapper,
+    offload_only,
+    set_wrapping_state,
+    unwrap,
+    wrapping_state,
+)
 from ..policies import save_matmuls
 from .regional import LEVELS, check_compiled_decisions, compile_block, uncompile
 from .types import Decision, PlanData
 
 
 def split_children(module: nn.Module) -> list[nn.Module]:
-    """The children ``split`` checkpoints: :func:`remat._split.split_children`'s (the rule
+    """The children ``split`` checkpoints: :func:`remat.modules.split.split_children`'s (the rule
     spans with ``inner="split"`` use too)."""
     return [module.get_submodule(n) for n in split_names(module)]
 

@@ -10,16 +10,16 @@ import torch
 from torch import nn
 
 from .. import memory
-from .._bytes import storage_bytes
-from .._errors import PlanError
-from .._modelinfo import (
+from ..engine.bytes import storage_bytes
+from ..engine.errors import PlanError
+from ..engine.tree import tensors_in
+from ..memory import BlockHooks
+from ..modules.modelinfo import (
     candidates,
     check_grad_enabled,
     check_module,
     device_of,
 )
-from .._tree import tensors_in
-from ..memory import BlockHooks
 from . import advice
 from .apply import restore_state, snapshot_state
 from .checks import check_options

@@ -26,9 +26,10 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .._selective import RECOMPUTE_ENTRY, create_selective_checkpoint_contexts
-from .._state import ForwardState
-from .._tree import tensors_in
+from ..engine.bytes import dense_bytes
+from ..engine.selective import RECOMPUTE_ENTRY, create_selective_checkpoint_contexts
+from ..engine.state import ForwardState
+from ..engine.tree import tensors_in
 from ..policies import save_matmuls
 
 
@@ -111,7 +112,7 @@ def _tensor_bytes(tree: Any) -> tuple[int, torch.dtype | None]:
     found: list[torch.Tensor] = []
     tensors_in(tree, found)
     dtype = next((t.dtype for t in found if t.is_floating_point()), None)
-    return sum(t.numel() * t.element_size() for t in found), dtype
+    return sum(dense_bytes(t) for t in found), dtype
 
 
 #: Operators that draw random numbers (dropout's mask): several times slower per byte than
@@ -214,7 +215,7 @@ class _Counter(TorchDispatchMode):
 class _InputGrab:
     """Forward pre-hook (``with_kwargs=True``) that keeps a block's first inputs, keywords too,
     and the state the model called it under (autocast inside the model's forward, default
-    dtype and device: :class:`~remat._state.ForwardState`), to run the block alone as it ran."""
+    dtype and device: :class:`~remat.engine.state.ForwardState`), to run the block alone as it ran."""
 
     def __init__(self, name: str, store: dict[str, Any]) -> None:
         self.name = name

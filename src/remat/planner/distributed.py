@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from .._errors import PlanError
+from ..engine.errors import PlanError
 from .types import Fit, ProfileData, term_parts, with_parts
 
 P = TypeVar("P", bound=ProfileData)

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from .._tree import replace_tensors, tensors_in
+from ..engine.tree import replace_tensors, tensors_in
 from .meta import copy_model
 
 __all__ = ["check_fakeable", "fake_mode_of", "fake_steps", "fake_twin", "on_fake"]

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._modelinfo import counted_device, device_of, loss_of
-from .._tree import tensors_in
+from ..engine.tree import tensors_in
+from ..modules.modelinfo import counted_device, device_of, loss_of
 from .amp import fresh_region, outside
 from .inputs import Inputs
 from .meta import check_not_mixed

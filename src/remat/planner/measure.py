@@ -38,17 +38,17 @@ import torch
 from torch import nn
 
 from .. import memory
-from .._bytes import storage_bytes
-from .._modelinfo import (
+from ..engine.bytes import storage_bytes
+from ..engine.offload import moves_to_host
+from ..engine.tree import tensors_in
+from ..memory import BlockHooks
+from ..modules.modelinfo import (
     candidates,
     check_grad_enabled,
     check_module,
     device_of,
 )
-from .._offload import moves_to_host
-from .._split import can_split
-from .._tree import tensors_in
-from ..memory import BlockHooks
+from ..modules.split import can_split
 from .amp import outside
 from .apply import apply_decision, restore_state, snapshot_state
 from .calibration import make_clock
@@ -146,7 +146,7 @@ def profile(
         loss_fn: output -> scalar loss; default: the output's ``loss`` (entry or attribute: a
             model that computes its own loss), else the sum of its floating outputs.
         check_fn: ``check_fn(name, module)`` picks the candidate blocks;
-            default: the repeated blocks of every stack (:mod:`remat._blocks`). The
+            default: the repeated blocks of every stack (:mod:`remat.modules.blocks`). The
             profile takes them in the order the warm-up step's forward first calls them.
         decisions: what to measure; default ``keep``, ``recompute``,
             ``selective``, ``offload`` on a device, and ``split`` (the block

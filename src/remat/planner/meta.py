@@ -2,7 +2,7 @@
 
 A model built under ``with torch.device("meta"):`` (as large models are, before their
 weights exist) runs its training step on meta tensors: every operator computes its
-outputs' shapes and allocates nothing. Inside :func:`remat._bytes.meta_holds_bytes` the
+outputs' shapes and allocates nothing. Inside :func:`remat.engine.bytes.meta_holds_bytes` the
 memory tracker counts each meta storage at its size, so every byte term of a profile is
 what a real device holds: tensor storages are a function of shapes, dtypes and of which
 tensors autograd saves, never of values. :func:`remat.profile` does this for a model whose
@@ -61,8 +61,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from .._bytes import meta_holds_bytes
-from .._tree import replace_tensors, tensors_in
+from ..engine.bytes import meta_holds_bytes
+from ..engine.tree import replace_tensors, tensors_in
 
 log = logging.getLogger("remat")
 
@@ -416,7 +416,7 @@ def on_meta(args: Any) -> Any:
 @contextlib.contextmanager
 def shapes_only(target: torch.device | None, own_positions: bool) -> Iterator[None]:
     """Inside, meta tensors hold their bytes and run ``target``'s kernels (``None``: nothing
-    changes): :func:`~remat._bytes.meta_holds_bytes`, :class:`AsDevice`,
+    changes): :func:`~remat.engine.bytes.meta_holds_bytes`, :class:`AsDevice`,
     :class:`CpuStatistics` for CPU, :func:`fused_on_meta`, and with ``own_positions`` (no
     ``position_ids`` passed) :func:`one_sequence_a_row`. What :func:`remat.profile` runs a
     meta model's steps in."""

@@ -41,8 +41,14 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from .. import memory
-from .._bytes import leaves, shares_storage, storage_bytes, storages
-from .._tree import tensors_in
+from ..engine.bytes import (
+    held_storages,
+    shares_storage,
+    storage_bytes,
+    storage_key,
+    storages,
+)
+from ..engine.tree import tensors_in
 from ..memory import BlockHooks
 from .amp import fresh_region
 from .apply import apply_decision
@@ -68,9 +74,8 @@ def stored(tensors: Sequence[torch.Tensor]) -> Stored:
     out: Stored = []
     seen: set[int] = set()
     for t in tensors:
-        for leaf in leaves(t):
-            st = leaf.untyped_storage()
-            key, nbytes = st._cdata, st.nbytes()
+        for st in held_storages(t):
+            key, nbytes = storage_key(st), st.nbytes()
             if nbytes and key not in seen:
                 seen.add(key)
                 out.append((weakref.ref(st), nbytes, key))
@@ -97,8 +102,8 @@ def storage_sizes(
         if device is not None and t.device != device:
             continue
         st = t.untyped_storage()
-        if st.nbytes() and st._cdata not in seen:
-            seen.add(st._cdata)
+        if st.nbytes() and storage_key(st) not in seen:
+            seen.add(storage_key(st))
             out.append((weakref.ref(st), st.nbytes()))
     return out
 

@@ -24,9 +24,10 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from .._errors import PlanError
-from .._modelinfo import device_of
-from .._tree import tensors_in
+from ..engine.bytes import storage_bytes
+from ..engine.errors import PlanError
+from ..engine.tree import tensors_in
+from ..modules.modelinfo import device_of
 from . import measure
 from .distributed import agree_min, agree_same
 from .fake import fake_twin, on_fake
@@ -317,4 +318,4 @@ def _cut_bytes(args: object, largest: int) -> int:
     """The bytes of the whole batch's tensors that a cut batch copies (alive beside it)."""
     found: list[torch.Tensor] = []
     tensors_in(args, found)
-    return sum(t.untyped_storage().nbytes() for t in found if t.dim() > 0 and t.shape[0] == largest)
+    return storage_bytes([t for t in found if t.dim() > 0 and t.shape[0] == largest])

@@ -47,7 +47,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
-from .._errors import PlanError
+from ..engine.errors import PlanError
 from .distributed import structure
 from .solve import Profile
 from .types import Fit, ProfileData, term_parts, with_parts

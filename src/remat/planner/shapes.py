@@ -40,9 +40,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._errors import PlanError
-from .._modelinfo import candidates
-from .._tree import replace_tensors, tensors_in
+from ..engine.errors import PlanError
+from ..engine.tree import replace_tensors, tensors_in
+from ..modules.modelinfo import candidates
 from .apply import restore_state, snapshot_state
 from .distributed import active, agree_max, agree_min
 from .inputs import Inputs

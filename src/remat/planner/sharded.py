@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..engine.bytes import storage_key
+
 
 def _fsdp_class() -> type | None:
     try:
@@ -82,7 +84,7 @@ def unsharded_storages(model: nn.Module) -> list[torch.UntypedStorage]:
                 if _is_dtensor(p):  # still sharded: a parameter FSDP2 does not gather
                     continue
                 st = p.untyped_storage()
-                found.setdefault(st._cdata, st)
+                found.setdefault(storage_key(st), st)
     finally:
         for m in reversed(mods):
             m.reshard()  # type: ignore[operator]

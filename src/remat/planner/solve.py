@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .._errors import PlanError
+from ..engine.errors import PlanError
 from . import advice
 from .apply import apply_plan
 from .chain import (

@@ -19,9 +19,9 @@ from torch import nn
 
 # One count of storage bytes for the tracker, the planner and offload (sparse tensors by
 # their parts, a wrapper subclass such as FSDP2's DTensor by its local shard).
-from .._bytes import storage_bytes
-from .._modelinfo import BufferSnapshot
-from .._tree import tensors_in
+from ..engine.bytes import storage_bytes
+from ..engine.tree import tensors_in
+from ..modules.modelinfo import BufferSnapshot
 from .amp import fresh_region
 from .sharded import bucket_bytes, bucket_view_params
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._tree import tensors_in
+from ..engine.tree import tensors_in
 from .calibration import Constants, constants, num_threads
 from .counting import OpCount, count_blocks
 

@@ -28,8 +28,8 @@ from typing import Any, TypeVar
 
 from typing_extensions import Self
 
-from .._diagnose import Diagnostic, Kind
-from .._errors import PlanError
+from ..engine.errors import PlanError
+from ..measure.diagnose import Diagnostic, Kind
 
 __all__ = [
     "BOUND",

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..._bytes import storage_bytes
+from ...engine.bytes import storage_bytes
 from ..measure import profile
 from ..solve import Profile
 from ..stepmodel.schedule import Event, stage_events

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..._bytes import storage_bytes
-from ..._tree import tensors_in
+from ...engine.bytes import storage_bytes
+from ...engine.tree import tensors_in
 from ...memory import track
 
 PREFIX = "stage."

@@ -22,7 +22,7 @@ import json
 
 from torch import nn
 
-from ..._errors import PlanError
+from ...engine.errors import PlanError
 from ..apply import apply_plan
 from ..solve import floor, solve
 from ..stepmodel import predicted_cost

@@ -1,0 +1,1 @@
+"""Tests of the checkpoint engine (remat.engine): regions, recompute, selective, offload, settings."""

@@ -1,0 +1,1 @@
+"""Tests of remat.integrations: Hugging Face, Lightning, the actual-step check."""

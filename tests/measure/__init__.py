@@ -1,0 +1,1 @@
+"""Tests of measurement: remat.memory and remat.measure (explain, diagnose, verify)."""

@@ -1,0 +1,1 @@
+"""Tests of the module level (remat.modules): wrappers, splits, spans, blocks, model facts."""
