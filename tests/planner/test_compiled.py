@@ -175,3 +175,27 @@ def test_auto_checkpoint_with_compile_profiles_and_checks_at_the_allocator(capsy
     assert "compile=True measures compiled kernels in real steps" in err
     assert remat.measure_peak(model, x, optimizer=opt) == p.predicted_peak_bytes <= p.budget_bytes
     assert remat.Plan.from_json(p.to_json()).apply(build(SMALL)) is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_plans_on_a_gpu_meet_their_budget_at_the_caching_allocator():
+    # the allocator's events of the profiler (the prediction) against the caching
+    # allocator's own count (max_memory_allocated), which rounds blocks up
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(GPT, batch=8)
+    base, x = build(cfg, device="cuda"), example_input(cfg, device="cuda")
+    prof = remat.profile(copy.deepcopy(base), x, compile=True, repeats=2)
+    for budget in ("50%", "30%"):
+        model = copy.deepcopy(base)
+        p = remat.auto_checkpoint(model, x, budget=budget, profile=prof, quiet=True)
+        assert remat.measure_peak(model, x) == p.predicted_peak_bytes <= p.budget_bytes
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        _grads(model, x)
+        torch.cuda.synchronize()
+        step = torch.cuda.max_memory_allocated() - start
+        static = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), x])
+        # gradients of the previous step freed by _grads: the step's bytes above the static
+        assert static + step <= p.budget_bytes + 512 * 1024, (budget, static + step, p)
