@@ -40,7 +40,7 @@ def apply_decision(module: nn.Module, decision: str) -> None:
     unwrap(module)
     for child in split_children(module):
         unwrap(child)
-    if decision == "split":
+    if decision is Decision.SPLIT:
         if not can_split(module):
             raise PlanError(
                 f"decision 'split' needs a block with two or more children that have "
@@ -49,11 +49,11 @@ def apply_decision(module: nn.Module, decision: str) -> None:
         checkpoint_wrapper(module)
         for child in split_children(module):
             checkpoint_wrapper(child)
-    elif decision == "recompute":
+    elif decision is Decision.RECOMPUTE:
         checkpoint_wrapper(module)
-    elif decision == "selective":
+    elif decision is Decision.SELECTIVE:
         checkpoint_wrapper(module, policy=save_matmuls(prefer=True))
-    elif decision == "offload":
+    elif decision is Decision.OFFLOAD:
         offload_only(module)
 
 

@@ -85,14 +85,16 @@ from .state import (
 )
 from .stepmodel import HELD_LINES, profile_data
 from .timing import flop_costs, modelled_costs, time_blocks
-from .types import Decision, Measurements, Timeline, Window
-
-KEEP, RECOMPUTE, SELECTIVE, OFFLOAD, SPLIT = (
-    Decision.KEEP,
-    Decision.RECOMPUTE,
-    Decision.SELECTIVE,
-    Decision.OFFLOAD,
-    Decision.SPLIT,
+from .types import (
+    KEEP,
+    OFFLOAD,
+    RECOMPUTE,
+    SELECTIVE,
+    SPLIT,
+    Decision,
+    Measurements,
+    Timeline,
+    Window,
 )
 
 
@@ -499,13 +501,13 @@ def _measure_steps(
             model, blocks, step.args, step.kwargs, decisions, priced, step.threads, moved,
             calibration,
         )
-        times = {Decision(d): v for d, v in modelled.items()}
+        times = modelled
         noise = {d: dict.fromkeys(names, 0.0) for d in decisions}
     if timer == "flops":
         # "recompute" as well: a whole step's FLOPs are three times the blocks' forwards
         measured = list(dict.fromkeys([*decisions, RECOMPUTE]))
         flops = flop_costs(model, blocks, step.args, step.kwargs, step.loop.loss_fn, measured)
-        times = {Decision(d): v for d, v in flops.items()}
+        times = flops
         noise = {d: dict.fromkeys(names, 0.0) for d in decisions}
     tick()
     return Measurements(

@@ -36,11 +36,16 @@ __all__ = [
     "DECISIONS",
     "FIT",
     "GROUP",
+    "KEEP",
     "MAX",
     "MIN",
     "NEVER",
+    "OFFLOAD",
+    "RECOMPUTE",
     "SAME",
+    "SELECTIVE",
     "SPAN_INNER",
+    "SPLIT",
     "Measurements",
     "OptimizerTerms",
     "PlanData",
@@ -62,6 +67,7 @@ __all__ = [
     "Where",
     "Window",
     "WindowKind",
+    "as_decisions",
     "shared_inputs",
     "term_parts",
     "with_parts",
@@ -123,8 +129,29 @@ class Decision(str, enum.Enum):
         return self in (Decision.RECOMPUTE, Decision.SELECTIVE, Decision.SPLIT)
 
 
+#: The decisions as names of their own, for the modules that spell many of them.
+KEEP, RECOMPUTE, SELECTIVE, OFFLOAD, SPLIT = (
+    Decision.KEEP,
+    Decision.RECOMPUTE,
+    Decision.SELECTIVE,
+    Decision.OFFLOAD,
+    Decision.SPLIT,
+)
+
 #: Every decision, in the order profiles measure them.
 DECISIONS: tuple[Decision, ...] = tuple(Decision)
+
+
+def as_decisions(values: Sequence[str]) -> list[Decision]:
+    """Decisions from their names (``"keep"``) or from decisions: the one conversion, where a
+    public function takes them (:meth:`remat.Profile.peak`, :func:`remat.profile`'s
+    ``decisions``); below it they travel as :class:`Decision` s.
+
+    Example:
+        >>> as_decisions(["keep", Decision.RECOMPUTE])
+        ['keep', 'recompute']
+    """
+    return [Decision(v) for v in values]
 
 #: How the blocks of a span run inside it: ``keep`` is one checkpoint over the whole span
 #: (Chen et al.'s segments); ``recompute`` and ``split`` checkpoint each block inside it as
