@@ -89,10 +89,9 @@ def loss_head(
 
 def _checkpointed_blocks(plan: PlanData) -> list[str]:
     """The blocks the plan runs again in backward (their own decision, or a span's)."""
-    names = list(plan.decisions)
     out = [n for n, d in plan.decisions.items() if d.holds_inputs]
-    for first, last in plan.spans:
-        out += names[names.index(first) : names.index(last) + 1]
+    for sp in plan.block_spans:
+        out += plan.members(sp)
     return list(dict.fromkeys(out))
 
 

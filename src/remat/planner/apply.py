@@ -82,18 +82,15 @@ def apply_plan(plan: PlanData, model: nn.Module) -> nn.Module:
     for name in plan.decisions:  # spans of an earlier plan go first
         if span_of(model.get_submodule(name)) is not None:
             remove_span(model, name)
-    names = list(plan.decisions)
-    spans = [names[names.index(a) : names.index(z) + 1] for a, z in plan.spans]
-    in_span = {n for members in spans for n in members}
+    spans = [(plan.members(sp), sp.offloaded) for sp in plan.block_spans]
+    in_span = {n for members, _ in spans for n in members}
     for name, decision in plan.decisions.items():
         module = _find(model, name)
         assert module is not None
-        apply_decision(module, "keep" if name in in_span else decision)
-    offloaded = {first for first, _ in plan.offloaded_spans}
-    for members in spans:
+        apply_decision(module, Decision.KEEP if name in in_span else decision)
+    for members, moved in spans:  # moved: as the step model has it, brought back when asked
         inner = plan.decisions[members[0]]
-        policy = save_matmuls(prefer=True) if inner == "selective" else None
-        moved = members[0] in offloaded  # as the step model has it: brought back when asked
+        policy = save_matmuls(prefer=True) if inner is Decision.SELECTIVE else None
         apply_span(
             model, members, inner=inner, policy=policy, offload_inputs=moved, prefetch=not moved
         )

@@ -506,13 +506,10 @@ def plan(
         peak_at=peak.where,
         breakdown=peak.breakdown,
         peak_movable=peak.movable,
-        spans=[[blocks[sp.first].name, blocks[sp.last].name] for sp in chosen],
         scratch_bytes=scratch,
-        offloaded_spans=[
-            [blocks[sp.first].name, blocks[sp.last].name] for sp in chosen if sp.offloaded
-        ],
         peak_phase=peak.at.phase,
         block_share=block_share(profile),
         diagnostics=advice.loss_head(profile, peak, decisions, chosen),
         scratch_unknown=profile.from_shapes and not profile.scratch.located,
+        block_spans=chosen,
     )
