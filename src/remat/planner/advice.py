@@ -65,9 +65,7 @@ def loss_head(
     """
     if peak.at.phase not in (Phase.AFTER_BLOCKS, Phase.BACKWARD) or not prof.blocks:
         return []
-    start = prof.static_bytes + prof.optim.state_bytes
-    start += prof.grad_bytes if prof.grads_kept else 0
-    above = peak.bytes - start
+    above = peak.bytes - prof.static_step_bytes
     blocks, top = plan_terms(prof, decisions, spans)
     saved = sum(attribution(blocks, decisions, spans)[0].values())
     head = head_bytes(prof)

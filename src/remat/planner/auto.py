@@ -42,7 +42,7 @@ from .state import (
     static_bytes,
 )
 from .stepmodel import budget_of, located, share_note
-from .types import Window, WindowKind
+from .types import Timer, Window, WindowKind
 
 log = logging.getLogger("remat")
 
@@ -254,7 +254,7 @@ def auto_checkpoint(
     set_to_none: bool = True,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     check_fn: Callable[[str, nn.Module], bool] | None = None,
-    timer: str = "time",
+    timer: Timer = "time",
     quiet: bool = False,
     profile: Profile | None = None,
     distributed: bool | None = None,
@@ -273,7 +273,7 @@ def auto_checkpoint(
     set_to_none: bool = True,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     check_fn: Callable[[str, nn.Module], bool] | None = None,
-    timer: str = "time",
+    timer: Timer = "time",
     quiet: bool = False,
     profile: Profile | None = None,
     distributed: bool | None = None,
@@ -290,7 +290,7 @@ def auto_checkpoint(
     set_to_none: bool = True,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     check_fn: Callable[[str, nn.Module], bool] | None = None,
-    timer: str = "time",
+    timer: Timer = "time",
     quiet: bool = False,
     profile: Profile | None = None,
     distributed: bool | None = None,

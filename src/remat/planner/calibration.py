@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 from .apply import apply_decision
-from .counting import count_call
+from .counting import OpKind, count_call
 from .types import RECOMPUTE, SELECTIVE, Decision
 
 #: Version of the micro-benchmarks: a change that moves the constants bumps it, so that old
@@ -85,7 +85,7 @@ class Constants:
     host_rate: float
     norm_rate: float = 0.0
 
-    def op_seconds(self, kind: str, flops: float, moved: int) -> float:
+    def op_seconds(self, kind: OpKind, flops: float, moved: int) -> float:
         """The compute time of one operator call, without its per-call overhead."""
         rate = self.conv_rate if kind == "conv" else self.mm_rate
         per_byte = self.byte_rate

@@ -94,6 +94,7 @@ from .types import (
     Decision,
     Measurements,
     Timeline,
+    Timer,
     Window,
 )
 
@@ -106,7 +107,7 @@ def profile(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     check_fn: Callable[[str, nn.Module], bool] | None = None,
     decisions: Sequence[str] | None = None,
-    timer: str = "time",
+    timer: Timer = "time",
     repeats: int = 3,
     threads: int | None = 1,
     distributed: bool | None = None,

@@ -38,6 +38,7 @@ from .render import fmt_bytes
 from .shapefit import ShapeFit
 from .solve import Profile
 from .stepmodel import located
+from .types import Timer
 
 #: What a profile from shapes may raise where shapes alone do not profile a model.
 NOT_FROM_SHAPES = (RuntimeError, NotImplementedError, TypeError, ValueError)
@@ -117,14 +118,14 @@ class ProfileSource:
         """Whether the profiles are made from shapes (so they count no scratch)."""
         return self.why is None
 
-    def __call__(self, inputs: Inputs, at: str = "", timer: str | None = None) -> Profile:
+    def __call__(self, inputs: Inputs, at: str = "", timer: Timer | None = None) -> Profile:
         """The profile at ``inputs`` (on the model's device, or on meta for a meta model);
         ``at`` says which (``" at size 512"``) when there are several. Its steps are counted
         on a bar of ``say`` (:func:`~remat.planner.progress.bar`)."""
         with self.say.active():
             return self._profile(inputs, at, timer)
 
-    def _profile(self, inputs: Inputs, at: str, timer: str | None) -> Profile:
+    def _profile(self, inputs: Inputs, at: str, timer: Timer | None) -> Profile:
         loop = dataclasses.replace(self.loop, timer=timer or self.loop.timer)
         args, kwargs = inputs.args, inputs.kwargs
         if self.meta or is_meta(self.model, (args, kwargs)):

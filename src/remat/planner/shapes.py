@@ -35,7 +35,7 @@ import dataclasses
 import logging
 import math
 import warnings
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
@@ -53,12 +53,15 @@ from .shaped import ProfileSource
 from .shapefit import ShapeFit
 from .solve import Plan, Profile, plan
 from .stepmodel import budget_of
+from .types import Timer
 
 __all__ = ["ShapePlans", "ShapeSwitch", "Shapes", "shape_plans"]
 
 log = logging.getLogger("remat")
 
-LARGER = ("error", "smallest")
+#: What a batch larger than the largest planned size does (:attr:`Shapes.larger`).
+Larger = Literal["error", "smallest"]
+LARGER: tuple[Larger, ...] = get_args(Larger)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +107,7 @@ class Shapes:
     dims: int | tuple[int, ...] = 1
     sizes: tuple[int, ...] = ()
     multiple: int = 1
-    larger: str = "error"
+    larger: Larger = "error"
     checks: int = 4
 
     def __post_init__(self) -> None:
@@ -425,7 +428,7 @@ def shape_plans(
     source = ProfileSource(model, loop, agree=active(loop.distributed), device=None, say=say)
     count = [0]
 
-    def profile_at(size: int, timer: str) -> Profile:
+    def profile_at(size: int, timer: Timer) -> Profile:
         a, k = shapes.cut(args, largest, size)
         count[0] += 1
         what = f"{count[0]} of {len(knots)}" if count[0] <= len(knots) else "checking the fit"

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 from torch import nn
@@ -176,7 +177,7 @@ def solve(
     allowed: Sequence[str],
     *,
     tolerance: float = 0.0,
-    solver: str = "milp",
+    solver: Literal["milp", "dp", "chain"] = "milp",
     max_span: int = 1,
     chained: Sequence[bool] | None = None,
     kept_outputs: Sequence[bool] | None = None,
@@ -323,7 +324,11 @@ def cheaper_uniform(alloc: ProfileData, budget: int, cost: float) -> list[Decisi
     return None if best is None else best[1]
 
 
-def _solver(name: str) -> str:
+#: :func:`plan`'s solvers (``"auto"``: the MILP where scipy is installed, else the DP).
+Solver = Literal["auto", "milp", "dp"]
+
+
+def _solver(name: Solver) -> Literal["milp", "dp"]:
     if name not in ("auto", "milp", "dp"):
         raise ValueError(f"remat.plan: solver must be 'auto', 'milp' or 'dp', got {name!r}.")
     if name == "auto":
@@ -376,7 +381,7 @@ def plan(
     profile: ProfileData,
     budget: int | float | str,
     *,
-    solver: str = "auto",
+    solver: Solver = "auto",
     spans: bool | None = None,
     max_span: int = 16,
 ) -> Plan:

@@ -24,7 +24,7 @@ import enum
 import json
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from typing_extensions import Self
 
@@ -48,9 +48,11 @@ __all__ = [
     "SPLIT",
     "Measurements",
     "OptimizerTerms",
+    "PeakPart",
     "PlanData",
     "ProfileData",
     "BlockCosts",
+    "CostUnit",
     "Decision",
     "Fit",
     "Phase",
@@ -64,6 +66,7 @@ __all__ = [
     "StepPeak",
     "TIME",
     "Timeline",
+    "Timer",
     "Where",
     "Window",
     "WindowKind",
@@ -95,6 +98,16 @@ class Fit(enum.Enum):
 FIT = {"fit": Fit.EXACT}
 BOUND = {"fit": Fit.BOUND}
 TIME = {"fit": Fit.TIME}
+
+#: The cost measure of a profile (:func:`remat.profile`'s ``timer``): counted work priced
+#: per device, timed steps, or FLOPs.
+Timer = Literal["time", "measured", "flops"]
+
+#: The unit of a profile's and a plan's costs: seconds, or FLOPs (``timer="flops"``).
+CostUnit = Literal["s", "flop"]
+
+#: What a step's peak is made of (the keys of :attr:`StepPeak.breakdown`, in this order).
+PeakPart = Literal["static", "gradients", "optimizer", "activations"]
 
 #: A term that never binds: the backward term of a block whose backward was never seen.
 NEVER = -(2**62)
@@ -486,7 +499,7 @@ class StepPeak:
 
     bytes: int
     at: Where
-    breakdown: dict[str, int]
+    breakdown: dict[PeakPart, int]
 
     @property
     def where(self) -> str:
@@ -561,7 +574,7 @@ class Measurements:
     splittable: set[str]
     shared_inputs: dict[str, int] = dataclasses.field(default_factory=dict)
     head_freed: dict[Decision, int] = dataclasses.field(default_factory=dict)
-    timer: str = "time"
+    timer: Timer = "time"
     keep_cost: float = 0.0
     grad_bytes: int = 0
     shared_bytes: int = 0
@@ -734,7 +747,7 @@ class ProfileData:
     blocks: list[BlockCosts]
     top: int = dataclasses.field(metadata=MAX | FIT)
     decisions: list[Decision] = dataclasses.field(metadata=SAME)
-    cost_unit: str = dataclasses.field(metadata=SAME)
+    cost_unit: CostUnit = dataclasses.field(metadata=SAME)
     input_shapes: list[list[int]] = dataclasses.field(metadata=SAME)
     device: str = ""
     torch_version: str = ""
@@ -772,10 +785,20 @@ class ProfileData:
         return self.scratch.bytes
 
     @property
+    def step_start(self) -> dict[PeakPart, int]:
+        """What a later step starts with, by part: ``static`` (parameters, buffers, inputs),
+        ``gradients`` (kept ones: ``grads_kept``) and ``optimizer`` (its state); the step
+        model's one formula of it (:attr:`static_step_bytes` is their sum)."""
+        return {
+            "static": self.static_bytes,
+            "gradients": self.grad_bytes if self.grads_kept else 0,
+            "optimizer": self.optim.state_bytes,
+        }
+
+    @property
     def static_step_bytes(self) -> int:
         """Bytes a later step starts with: static, kept gradients, optimizer state."""
-        kept = self.grad_bytes if self.grads_kept else 0
-        return self.static_bytes + kept + self.optim.state_bytes
+        return sum(self.step_start.values())
 
     @property
     def spans_may_join(self) -> list[bool]:
@@ -923,10 +946,10 @@ class PlanData:
     budget_bytes: int
     saved_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
     added_cost: dict[str, float] = dataclasses.field(default_factory=dict)
-    cost_unit: str = "s"
+    cost_unit: CostUnit = "s"
     static_bytes: int = 0
     peak_at: str = ""
-    breakdown: dict[str, int] = dataclasses.field(default_factory=dict)
+    breakdown: dict[PeakPart, int] = dataclasses.field(default_factory=dict)
     peak_movable: bool = True
     scratch_bytes: int = 0
     peak_phase: Phase | None = None
@@ -947,10 +970,10 @@ class PlanData:
         budget_bytes: int,
         saved_bytes: dict[str, int] | None = None,
         added_cost: dict[str, float] | None = None,
-        cost_unit: str = "s",
+        cost_unit: CostUnit = "s",
         static_bytes: int = 0,
         peak_at: str = "",
-        breakdown: dict[str, int] | None = None,
+        breakdown: dict[PeakPart, int] | None = None,
         peak_movable: bool = True,
         spans: Sequence[Sequence[str]] | None = None,
         scratch_bytes: int = 0,

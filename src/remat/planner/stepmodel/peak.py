@@ -316,16 +316,14 @@ def step_peak(
 
     ``spans`` as in :func:`layout`.
     """
-    static = prof.static_bytes
-    kept = prof.grad_bytes if prof.grads_kept else 0
-    state = prof.optim.state_bytes
+    base = prof.step_start
+    static, kept, state = base["static"], base["gradients"], base["optimizer"]
     blocks, top = plan_terms(prof, decisions, spans)
     groups = prof.shared.groups
     act, where = activation_terms(blocks, top, decisions, prof.pre, spans, groups, prof.post)
     grads_at = _grads_at(prof, where)
-    base = {"static": static, "gradients": kept, "optimizer": state}
     best = StepPeak(
-        static + kept + state + act,
+        prof.static_step_bytes + act,
         where,
         {**base, "gradients": kept + grads_at, "activations": act - grads_at},
     )
