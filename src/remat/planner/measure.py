@@ -219,6 +219,7 @@ def profile(
         repeats=repeats, threads=threads, calibration=calibration,
     )  # fmt: skip
     loop = Loop(optimizer, set_to_none, loss_fn, check_fn, timer, distributed)
+    check_module(model, "remat.profile")
     return profile_loop(
         model, Inputs(*args, **kwargs), loop, decisions=decisions, repeats=repeats,
         threads=threads, device=device, calibration=calibration,
@@ -235,12 +236,14 @@ def profile_loop(
     threads: int | None = 1,
     device: str | torch.device | None = None,
     calibration: str | None = None,
+    blocks: Sequence[str] | None = None,
 ) -> Profile:
-    """:func:`profile` of ``model`` at ``inputs`` for the training ``loop`` (the other
-    arguments as :func:`profile` takes them)."""
+    """:func:`profile` of ``model`` (an ``nn.Module``: its caller checked) at ``inputs`` for
+    the training ``loop`` (the other arguments as :func:`profile` takes them); ``blocks``: the
+    candidate blocks' names where the caller found them already (they are looked up once a
+    model: :class:`~remat.planner.shaped.ProfileSource`), else found here."""
     args, kwargs = inputs.args, inputs.kwargs
     timer = loop.timer
-    check_module(model, "remat.profile")
     check_grad_enabled("remat.profile")
     if timer not in TIMERS:
         raise ValueError(
@@ -277,9 +280,9 @@ def profile_loop(
             "it will train on); this model's tensors are on "
             f"{device_of(model, (args, kwargs))}: leave device out."
         )
-    names = candidates(model, loop.check_fn)
-    blocks = {n: model.get_submodule(n) for n in names}
-    chosen = _decisions(model, args, kwargs, blocks, decisions, shaped)
+    names = list(blocks) if blocks is not None else candidates(model, loop.check_fn)
+    modules = {n: model.get_submodule(n) for n in names}
+    chosen = _decisions(model, args, kwargs, modules, decisions, shaped)
     agree = active(loop.distributed)
     if agree:  # before any step: ranks that would run different steps would hang
         agree_same((names, [str(d) for d in chosen], repeats, timer), "the blocks, decisions and steps")
@@ -291,7 +294,7 @@ def profile_loop(
         else:
             mode = contextlib.nullcontext()
         with mode, shapes_only(target, "position_ids" not in inputs.kwargs):
-            prof = _profile(model, inputs, loop, blocks, chosen, repeats, threads, calibration,
+            prof = _profile(model, inputs, loop, modules, chosen, repeats, threads, calibration,
                             target)  # fmt: skip
     except (RuntimeError, NotImplementedError) as e:
         if not shaped:

@@ -25,7 +25,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .._errors import PlanError
-from .._modelinfo import device_of
+from .._modelinfo import candidates, device_of
 from .._tree import tensors_in
 from . import measure
 from .distributed import agree_min, agree_same
@@ -82,6 +82,10 @@ class ProfileSource:
             step, where the batch allows: ``True``, at the largest pair; a callable (the
             budget in bytes of a whole-batch profile), at the largest pair whose unchecked
             steps are predicted within that budget.
+
+    Its :attr:`blocks` (the model's candidate blocks, by ``loop.check_fn``) are found once,
+    as it is made, and every profile (of the model, of its twin, of a cut batch) is of them:
+    the callers that plan the model read them here rather than look them up again.
     """
 
     def __init__(
@@ -96,6 +100,9 @@ class ProfileSource:
     ) -> None:
         self.model, self.loop, self.device, self.say = model, loop, device, say
         self.agree, self.within = agree, within
+        #: the candidate blocks' names (a twin's are the same: its modules answer
+        #: ``check_fn`` as the model's own of the same name)
+        self.blocks = candidates(model, loop.check_fn)
         self.meta = is_meta(model, ())
         #: why profiles are of real steps (``None``: from shapes)
         self.why = None if self.meta else no_shapes(model, loop.timer, agree)
@@ -130,7 +137,9 @@ class ProfileSource:
         args, kwargs = inputs.args, inputs.kwargs
         if self.meta or is_meta(self.model, (args, kwargs)):
             self.say(f"profiling from shapes{at} (a model on the meta device)")
-            return measure.profile_loop(self.model, inputs, loop, device=self.device)
+            return measure.profile_loop(
+                self.model, inputs, loop, device=self.device, blocks=self.blocks
+            )
         if self.why is None:
             try:
                 if self._twin is None:
@@ -141,11 +150,17 @@ class ProfileSource:
                 if mode is not None:  # autocast: a fake twin, which autocast casts
                     a, k = on_fake(mode, (args, kwargs))
                     self.say(f"profiling from shapes{at} (a fake copy of the model, for autocast)")
-                    return measure.profile_loop(model, Inputs(*a, **k), on_twin)
+                    return measure.profile_loop(
+                        model, Inputs(*a, **k), on_twin, blocks=self.blocks
+                    )
                 a, k = on_meta((args, kwargs))
                 self.say(f"profiling from shapes{at} (a meta copy of the model: nothing allocated)")
                 return measure.profile_loop(
-                    model, Inputs(*a, **k), on_twin, device=device_of(self.model, (args, kwargs))
+                    model,
+                    Inputs(*a, **k),
+                    on_twin,
+                    device=device_of(self.model, (args, kwargs)),
+                    blocks=self.blocks,
                 )
             except AutocastInForward:  # the model's forward casts: a fake twin, once
                 if self._twin is not None and self._twin[2] is None:
@@ -162,7 +177,7 @@ class ProfileSource:
             if fitted is not None:
                 return fitted
         self.say(f"profiling real steps{at}, the unchecked step among them: {self.why}")
-        return measure.profile_loop(self.model, inputs, loop)
+        return measure.profile_loop(self.model, inputs, loop, blocks=self.blocks)
 
     def _fitted(self, inputs: Inputs, loop: Loop) -> Profile | None:
         """The profile at ``inputs`` fitted from real profiles at two smaller batches (never
@@ -239,7 +254,9 @@ class ProfileSource:
             for n in pair:
                 if n not in profiles:
                     a, k = batch.cut(args, largest, n)
-                    profiles[n] = measure.profile_loop(self.model, Inputs(*a, **k), loop)
+                    profiles[n] = measure.profile_loop(
+                        self.model, Inputs(*a, **k), loop, blocks=self.blocks
+                    )
         except NOT_FROM_SHAPES as e:
             if self.agree:
                 raise  # the other ranks would wait for this one's next step

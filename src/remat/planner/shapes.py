@@ -41,7 +41,6 @@ import torch
 from torch import nn
 
 from .._errors import PlanError
-from .._modelinfo import candidates
 from .._tree import replace_tensors, tensors_in
 from .apply import restore_state, snapshot_state
 from .distributed import active, agree_max, agree_min
@@ -249,8 +248,7 @@ class ShapePlans:
         self._agree = active(loop.distributed)
         self._plans: dict[int, Plan] = {}
         self._smallest: Plan | None = None
-        blocks = candidates(model, loop.check_fn)
-        self._blocks = {n: model.get_submodule(n) for n in blocks}
+        self._blocks = {n: model.get_submodule(n) for n in source.blocks}
         self._wrapping = snapshot_state(self._blocks)
         self._applied: Any = None
         self.applied: Plan | None = None
