@@ -180,7 +180,9 @@ def factory_hint(target: str, example_was_tuple: bool) -> str:
     )
 
 
-def model_failure(e: Exception, doing: str, target: str | None, example_was_tuple: bool) -> RunError:
+def model_failure(
+    e: Exception, doing: str, target: str | None, example_was_tuple: bool
+) -> RunError:
     """The :class:`RunError` for ``e``, raised while ``doing`` (``"profiling"``) the user's
     model (``target``; ``None``: the built-in one): remat's own message as it is (it says what
     to change; the API's ``check_fn`` named as the flag), else what raised, with

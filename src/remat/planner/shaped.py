@@ -150,9 +150,7 @@ class ProfileSource:
                 if mode is not None:  # autocast: a fake twin, which autocast casts
                     a, k = on_fake(mode, (args, kwargs))
                     self.say(f"profiling from shapes{at} (a fake copy of the model, for autocast)")
-                    return measure.profile_loop(
-                        model, Inputs(*a, **k), on_twin, blocks=self.blocks
-                    )
+                    return measure.profile_loop(model, Inputs(*a, **k), on_twin, blocks=self.blocks)
                 a, k = on_meta((args, kwargs))
                 self.say(f"profiling from shapes{at} (a meta copy of the model: nothing allocated)")
                 return measure.profile_loop(
