@@ -24,13 +24,21 @@ from remat.planner.stepmodel import (
     predicted_peak,
     span_segment,
 )
-from remat.planner.types import SPAN_INNER, BlockCosts
+from remat.planner.types import (
+    KEEP,
+    OFFLOAD,
+    RECOMPUTE,
+    SELECTIVE,
+    SPAN_INNER,
+    SPLIT,
+    BlockCosts,
+)
 from tests.support.chains import layouts, random_chain
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-DECS = ("keep", "recompute", "selective", "split")
+DECS = (KEEP, RECOMPUTE, SELECTIVE, SPLIT)
 
 
 def heterogeneous_chain(seed: int, n: int, decs=DECS) -> tuple[list[BlockCosts], int]:
@@ -114,7 +122,7 @@ def test_segment_table_equals_the_step_model_segments():
 def test_chain_dp_finds_the_brute_force_optimum_and_the_simplest_plan_within_the_cap(seed):
     rng = random.Random(seed)
     n = rng.randint(1, 6)
-    decs = DECS if seed % 2 else ("keep", "recompute", "selective", "offload", "split")
+    decs = DECS if seed % 2 else (KEEP, RECOMPUTE, SELECTIVE, OFFLOAD, SPLIT)
     blocks, top = heterogeneous_chain(seed, n, decs)
     max_span = rng.choice([1, 2, 3, 16])
     plans = list(layouts(blocks, decs, max_span))
@@ -242,7 +250,7 @@ def test_spans_never_hold_an_output_the_model_keeps_with_the_two_blocks_after_it
     blocks, top = heterogeneous_chain(5, 6)
     held = [False, True, False, True, False, False]
     t = segment_table(blocks, DECS, 16, None, held)
-    for d in ("keep", "recompute", "selective", "split"):
+    for d in (KEEP, RECOMPUTE, SELECTIVE, SPLIT):
         spans = {(t.first[k], t.last[k]) for k in range(len(t.first)) if t.decision[k] == d}
         spans = {(a, z) for a, z in spans if z > a}
         allowed = {
@@ -307,7 +315,7 @@ def test_a_span_of_mixed_decisions_is_refused_with_what_to_do():
 
 # ------------------------------------------------------ spans whose input is offloaded
 
-OFF_DECS = ("keep", "recompute", "selective", "offload", "split")
+OFF_DECS = (KEEP, RECOMPUTE, SELECTIVE, OFFLOAD, SPLIT)
 
 
 def offload_chain(seed: int, n: int) -> tuple[list[BlockCosts], int]:
@@ -397,7 +405,7 @@ def _layouts(n, decs):
 
 @pytest.mark.parametrize("seed", range(5))
 def test_chain_dp_with_spans_finds_the_brute_force_optimum(seed):
-    decs = ("keep", "recompute", "selective")
+    decs = (KEEP, RECOMPUTE, SELECTIVE)
     blocks, top = random_chain(seed, 5)
     plans = list(_layouts(5, decs))
     peaks = [predicted_peak(blocks, top, ds, 0, sp) for ds, sp in plans]

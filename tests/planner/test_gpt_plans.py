@@ -16,12 +16,13 @@ from remat.bench.models import ModelConfig, build, example_input
 from remat.planner.apply import apply_decision
 from remat.planner.perblock import brute_force, solve_dp, solve_milp
 from remat.planner.stepmodel import predicted_cost
+from remat.planner.types import KEEP, RECOMPUTE, SELECTIVE
 from tests.support.models import SMALL_GPT
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-DECS = ("keep", "recompute", "selective")
+DECS = (KEEP, RECOMPUTE, SELECTIVE)
 
 
 @pytest.fixture(scope="module")

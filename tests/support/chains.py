@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import random
 
-from remat.planner.types import SPAN_INNER, BlockCosts
+from remat.planner.types import KEEP, RECOMPUTE, SELECTIVE, SPAN_INNER, BlockCosts
 
-DECS = ("keep", "recompute", "selective")
+DECS = (KEEP, RECOMPUTE, SELECTIVE)
 
 
 def random_chain(seed: int, n: int) -> tuple[list[BlockCosts], int]:

@@ -19,7 +19,7 @@ import torch
 
 from .. import memory
 from ..planner.pipeline import StagePlan, plan_pipeline_stage
-from ..planner.types import Decision
+from ..planner.types import Decision, Timer
 from .models import GPT, GPTStage, ModelConfig, build, lm_loss
 
 STRATEGIES = ("remat", "every_layer", "none")
@@ -117,7 +117,7 @@ def run_rank(
     budget: int | None = None,
     steps: int = 3,
     grads: bool = False,
-    timer: str = "time",
+    timer: Timer = "time",
     seed: int = 0,
     return_outputs: bool = True,
 ) -> RankResult:

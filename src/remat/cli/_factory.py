@@ -26,7 +26,9 @@ from typing import Any
 
 import torch
 
+from ..engine.errors import PlanError
 from ..planner.inputs import Inputs
+from ._blocks import for_the_shell
 from ._usage import RunError, UsageError, describe
 
 FACTORY_HELP = (
@@ -175,4 +177,19 @@ def factory_hint(target: str, example_was_tuple: bool) -> str:
         f" ({target}() returned example_args that is not a tuple: it was passed as the "
         "model's only argument; return a tuple for several, remat.Inputs(*args, **kwargs) "
         "for keyword inputs)"
+    )
+
+
+def model_failure(
+    e: Exception, doing: str, target: str | None, example_was_tuple: bool
+) -> RunError:
+    """The :class:`RunError` for ``e``, raised while ``doing`` (``"profiling"``) the user's
+    model (``target``; ``None``: the built-in one): remat's own message as it is (it says what
+    to change; the API's ``check_fn`` named as the flag), else what raised, with
+    :func:`factory_hint`."""
+    if isinstance(e, PlanError) or str(e).startswith("remat."):
+        return RunError(for_the_shell(str(e)))
+    return RunError(
+        f"{doing} {target or 'the built-in'}'s model raised {describe(e)}"
+        + factory_hint(target or "", example_was_tuple)
     )

@@ -9,7 +9,9 @@ Each error is one line on stderr, without a traceback.
 from __future__ import annotations
 
 import os
+import sys
 import traceback
+from typing import Any
 
 import torch
 
@@ -22,6 +24,33 @@ class UsageError(Exception):
 
 class RunError(Exception):
     """A failure while running, reported without a traceback (exit code 1)."""
+
+
+class Reported:
+    """Where a subcommand's ``main`` runs: a :class:`UsageError` or :class:`RunError` raised
+    inside is said as one line on standard error under ``command``'s name, and :attr:`code`
+    is then its exit code (2 or 1; 0 when none was raised).
+
+    Example:
+        >>> with Reported("remat plan") as run:
+        ...     raise UsageError("--budget: expected a size")
+        >>> run.code
+        2
+    """
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+        self.code = 0
+
+    def __enter__(self) -> Reported:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, e: BaseException | None, tb: Any) -> bool:
+        if isinstance(e, (UsageError, RunError)):
+            print(f"{self.command}: error: {e}", file=sys.stderr)
+            self.code = 2 if isinstance(e, UsageError) else 1
+            return True
+        return False
 
 
 def check_output_path(flag: str, path: str) -> None:

@@ -12,7 +12,6 @@ per module, where the step's peak falls, and the boundary warnings.
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 from ..measure.explain import explain
@@ -22,10 +21,10 @@ from ._factory import (
     FACTORY_HELP,
     add_target_arguments,
     builtin_model,
-    factory_hint,
     load_factory,
+    model_failure,
 )
-from ._usage import RunError, UsageError, check_output_path, describe, write_text
+from ._usage import Reported, RunError, UsageError, check_output_path, describe, write_text
 
 
 def add_parser(sub: Any) -> None:
@@ -82,7 +81,7 @@ def _check(args: argparse.Namespace) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run ``remat explain``: exit code 0 done, 2 a usage mistake, 1 the factory or model failed."""
-    try:
+    with Reported("remat explain") as run:
         _check(args)
         if args.target is None:
             model, inputs, label = builtin_model(args.model)
@@ -100,20 +99,8 @@ def main(args: argparse.Namespace) -> int:
         try:
             report = explain(model, *inputs.args, **inputs.kwargs)
         except Exception as e:
-            if str(e).startswith("remat."):
-                # remat's own message says what to change
-                raise RunError(for_the_shell(str(e))) from None
-            raise RunError(
-                f"running {args.target or 'the built-in'}'s model raised {describe(e)}"
-                + factory_hint(args.target or "", was_tuple)
-            ) from None
+            raise model_failure(e, "running", args.target, was_tuple) from None
         print(report.table(top=None if args.all else args.top))
         if args.json is not None:
             write_text("--json", args.json, report.to_json())
-    except UsageError as e:
-        print(f"remat explain: error: {e}", file=sys.stderr)
-        return 2
-    except RunError as e:
-        print(f"remat explain: error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return run.code

@@ -33,7 +33,6 @@ import contextlib
 import importlib
 import importlib.util
 import json
-import sys
 from typing import Any
 
 import torch
@@ -55,13 +54,12 @@ from ..planner.shapes import Shapes, shape_plans
 from ..planner.solve import plan
 from ..planner.stepmodel import located, parse_budget
 from ._blocks import BlockFilter, add_blocks_argument, blocks_filter, for_the_shell, parse_blocks
-from ._factory import FACTORY_HELP, add_target_arguments
+from ._factory import FACTORY_HELP, add_target_arguments, model_failure
 from ._factory import builtin_model as _builtin
-from ._factory import factory_hint as _hint
 from ._factory import load_factory as _load
 from ._hfconfig import DTYPES, read_config
 from ._hfconfig import build as build_hf
-from ._usage import RunError, UsageError, check_output_path, describe, write_text
+from ._usage import Reported, RunError, UsageError, check_output_path, describe, write_text
 
 
 def add_parser(sub: Any) -> None:
@@ -316,7 +314,7 @@ def main(args: argparse.Namespace) -> int:
     """Run ``remat plan``: exit code 0 done, 2 a usage mistake, 1 the factory or model failed.
     Each stage is said on standard error as it starts (the plan is printed on standard output)."""
     say = Progress("remat plan")
-    try:
+    with Reported("remat plan") as run:
         _check(args)
         if args.hf_config is not None:
             fields = read_config(args.hf_config)
@@ -374,13 +372,7 @@ def main(args: argparse.Namespace) -> int:
         except UsageError:  # --shapes: no plan meets the budget at some size
             raise
         except Exception as e:  # the model cannot be run or planned as given
-            if isinstance(e, PlanError) or str(e).startswith("remat."):
-                # remat's own message says what to change
-                raise RunError(for_the_shell(str(e))) from None
-            raise RunError(
-                f"profiling {args.target or 'the built-in'}'s model raised {describe(e)}"
-                + _hint(args.target or "", was_tuple)
-            ) from None
+            raise model_failure(e, "profiling", args.target, was_tuple) from None
         say(f"planning {len(prof.blocks)} blocks")
         try:
             chosen = plan(
@@ -415,13 +407,7 @@ def main(args: argparse.Namespace) -> int:
             write_text("--json", args.json, chosen.to_json())
             # a model built on meta has no real steps to verify
             print(saved_how(args.json, None if shaped else args.target or ""))
-    except UsageError as e:
-        print(f"remat plan: error: {e}", file=sys.stderr)
-        return 2
-    except RunError as e:
-        print(f"remat plan: error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return run.code
 
 
 def _real_profile(

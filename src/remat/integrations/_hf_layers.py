@@ -325,7 +325,7 @@ def uncheckpoint_layers(model: nn.Module) -> nn.Module:
     switch.remove_hooks()
     if switch.plan is not None:  # every block kept: spans removed, wrappers undone
         keep = {n: "keep" for n in switch.plan.decisions}
-        dataclasses.replace(switch.plan, decisions=keep, spans=[], offloaded_spans=[]).apply(model)
+        dataclasses.replace(switch.plan, decisions=keep, block_spans=[]).apply(model)
     for name in switch.layers:
         unwrap(model.get_submodule(name))
     return model

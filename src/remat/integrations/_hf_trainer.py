@@ -45,6 +45,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..planner.loop import Loop
+from ..planner.types import Timer
 from ._extras import require
 from ._hf_layers import auto_checkpoint, guard_cache, layer_names, take_over_switch
 from ._session import PlannedTraining, torch_optimizer
@@ -124,7 +125,7 @@ class RematCallback(TrainerCallback):  # type: ignore[misc]
         *,
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
         check_fn: Callable[[str, nn.Module], bool] | None = None,
-        timer: str = "time",
+        timer: Timer = "time",
         measure: bool = True,
         compile: bool = False,
     ) -> None:

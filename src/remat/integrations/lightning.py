@@ -46,6 +46,7 @@ from torch import nn
 
 from .. import auto_checkpoint
 from ..planner.loop import Loop
+from ..planner.types import Timer
 from ._extras import require
 from ._session import PlannedTraining, torch_optimizer
 
@@ -133,7 +134,7 @@ class RematCallback(Callback):  # type: ignore[misc]
         *,
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
         check_fn: Callable[[str, nn.Module], bool] | None = None,
-        timer: str = "time",
+        timer: Timer = "time",
         measure: bool = True,
         compile: bool = False,
     ) -> None:

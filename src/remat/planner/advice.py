@@ -43,7 +43,7 @@ HEAD = "(head and loss)"
 def loss_head(
     prof: ProfileData,
     peak: StepPeak,
-    decisions: Sequence[str],
+    decisions: Sequence[Decision],
     spans: Sequence[SpanLike] = (),
 ) -> list[Diagnostic]:
     """The loss-head warning, when the plan's peak is the head's (see the module).
@@ -58,14 +58,14 @@ def loss_head(
         >>> from remat.planner.stepmodel import step_peak
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
         >>> prof = remat.profile(model, torch.randn(4, 8), timer="flops")
-        >>> loss_head(prof, step_peak(prof, ["keep", "keep"]), ["keep", "keep"])
+        >>> from remat.planner.types import Decision
+        >>> keep = [Decision.KEEP] * 2
+        >>> loss_head(prof, step_peak(prof, keep), keep)
         []
     """
     if peak.at.phase not in (Phase.AFTER_BLOCKS, Phase.BACKWARD) or not prof.blocks:
         return []
-    start = prof.static_bytes + prof.optim.state_bytes
-    start += prof.grad_bytes if prof.grads_kept else 0
-    above = peak.bytes - start
+    above = peak.bytes - prof.static_step_bytes
     blocks, top = plan_terms(prof, decisions, spans)
     saved = sum(attribution(blocks, decisions, spans)[0].values())
     head = head_bytes(prof)
@@ -87,10 +87,9 @@ def loss_head(
 
 def _checkpointed_blocks(plan: PlanData) -> list[str]:
     """The blocks the plan runs again in backward (their own decision, or a span's)."""
-    names = list(plan.decisions)
-    out = [n for n, d in plan.decisions.items() if Decision(d).holds_inputs]
-    for first, last in plan.spans:
-        out += names[names.index(first) : names.index(last) + 1]
+    out = [n for n, d in plan.decisions.items() if d.holds_inputs]
+    for sp in plan.block_spans:
+        out += plan.members(sp)
     return list(dict.fromkeys(out))
 
 

@@ -53,7 +53,7 @@ def apply_decision(module: nn.Module, decision: str, compiled: bool = False) -> 
         return
     for child in split_children(module):
         unwrap(child)
-    if decision == "split":
+    if decision is Decision.SPLIT:
         if not can_split(module):
             raise PlanError(
                 f"decision 'split' needs a block with two or more children that have "
@@ -62,11 +62,11 @@ def apply_decision(module: nn.Module, decision: str, compiled: bool = False) -> 
         checkpoint_wrapper(module)
         for child in split_children(module):
             checkpoint_wrapper(child)
-    elif decision == "recompute":
+    elif decision is Decision.RECOMPUTE:
         checkpoint_wrapper(module)
-    elif decision == "selective":
+    elif decision is Decision.SELECTIVE:
         checkpoint_wrapper(module, policy=save_matmuls(prefer=True))
-    elif decision == "offload":
+    elif decision is Decision.OFFLOAD:
         offload_only(module)
 
 
@@ -95,18 +95,15 @@ def apply_plan(plan: PlanData, model: nn.Module) -> nn.Module:
     for name in plan.decisions:  # spans of an earlier plan go first
         if span_of(model.get_submodule(name)) is not None:
             remove_span(model, name)
-    names = list(plan.decisions)
-    spans = [names[names.index(a) : names.index(z) + 1] for a, z in plan.spans]
-    in_span = {n for members in spans for n in members}
+    spans = [(plan.members(sp), sp.offloaded) for sp in plan.block_spans]
+    in_span = {n for members, _ in spans for n in members}
     for name, decision in plan.decisions.items():
         module = _find(model, name)
         assert module is not None
-        apply_decision(module, "keep" if name in in_span else decision, plan.compiled)
-    offloaded = {first for first, _ in plan.offloaded_spans}
-    for members in spans:
+        apply_decision(module, Decision.KEEP if name in in_span else decision, plan.compiled)
+    for members, moved in spans:  # moved: as the step model has it, brought back when asked
         inner = plan.decisions[members[0]]
-        policy = save_matmuls(prefer=True) if inner == "selective" else None
-        moved = members[0] in offloaded  # as the step model has it: brought back when asked
+        policy = save_matmuls(prefer=True) if inner is Decision.SELECTIVE else None
         apply_span(
             model, members, inner=inner, policy=policy, offload_inputs=moved, prefetch=not moved
         )

@@ -44,7 +44,7 @@ from .state import (
     static_bytes,
 )
 from .stepmodel import budget_of, located, share_note
-from .types import Window, WindowKind
+from .types import Timer, Window, WindowKind
 
 log = logging.getLogger("remat")
 
@@ -213,8 +213,11 @@ def check_profile_matches(
     model: nn.Module,
     inputs: Inputs,
     loop: Loop,
+    *,
+    blocks: Sequence[str] | None = None,
 ) -> None:
-    """Raise ``ValueError`` unless ``prof`` was measured for this model, inputs and ``loop``.
+    """Raise ``ValueError`` unless ``prof`` was measured for this model, inputs and ``loop``
+    (``blocks``: the model's candidate blocks, where the caller found them already).
 
     Example:
         >>> import torch, remat
@@ -234,7 +237,7 @@ def check_profile_matches(
         )
     optimizer, set_to_none = loop.optimizer, loop.set_to_none
     names = [b.name for b in prof.blocks]
-    want = list(candidates(model, loop.check_fn))
+    want = list(candidates(model, loop.check_fn) if blocks is None else blocks)
     problems = []
     if names != want:
         problems.append(f"blocks {names}, not this model's candidate blocks {want}")
@@ -265,7 +268,7 @@ def auto_checkpoint(
     set_to_none: bool = True,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     check_fn: Callable[[str, nn.Module], bool] | None = None,
-    timer: str = "time",
+    timer: Timer = "time",
     quiet: bool = False,
     profile: Profile | None = None,
     distributed: bool | None = None,
@@ -285,7 +288,7 @@ def auto_checkpoint(
     set_to_none: bool = True,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     check_fn: Callable[[str, nn.Module], bool] | None = None,
-    timer: str = "time",
+    timer: Timer = "time",
     quiet: bool = False,
     profile: Profile | None = None,
     distributed: bool | None = None,
@@ -303,7 +306,7 @@ def auto_checkpoint(
     set_to_none: bool = True,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     check_fn: Callable[[str, nn.Module], bool] | None = None,
-    timer: str = "time",
+    timer: Timer = "time",
     quiet: bool = False,
     profile: Profile | None = None,
     distributed: bool | None = None,
@@ -478,8 +481,10 @@ def auto_checkpoint(
             within=lambda whole: budget_of(whole, budget),
         )
         prof = source(inputs)
+        names = source.blocks
     else:
-        check_profile_matches(profile, model, inputs, loop)
+        names = candidates(model, check_fn)
+        check_profile_matches(profile, model, inputs, loop, blocks=names)
         prof = agree_profile(profile) if agree else profile  # a no-op on an agreed profile
     target = budget_of(prof, budget)
     if agree:
@@ -490,7 +495,7 @@ def auto_checkpoint(
     except PlanError as e:  # a share no plan reaches: say what is fixed, what is reachable
         note = share_note(prof, budget, prof.smallest_budget_bytes)
         raise PlanError(f"{e}{note}") from None
-    blocks = {n: model.get_submodule(n) for n in candidates(model, check_fn)}
+    blocks = {n: model.get_submodule(n) for n in names}
     if meta:  # nothing to run: the plan is the answer
         chosen.apply(model)
         chosen.budget_bytes = target

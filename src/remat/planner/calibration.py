@@ -57,7 +57,8 @@ import torch
 from torch import nn
 
 from .apply import apply_decision
-from .counting import count_call
+from .counting import OpKind, count_call
+from .types import RECOMPUTE, SELECTIVE, Decision
 
 #: Version of the micro-benchmarks: a change that moves the constants bumps it, so that old
 #: cache files are not read.
@@ -84,7 +85,7 @@ class Constants:
     host_rate: float
     norm_rate: float = 0.0
 
-    def op_seconds(self, kind: str, flops: float, moved: int) -> float:
+    def op_seconds(self, kind: OpKind, flops: float, moved: int) -> float:
         """The compute time of one operator call, without its per-call overhead."""
         rate = self.conv_rate if kind == "conv" else self.mm_rate
         per_byte = self.byte_rate
@@ -287,9 +288,9 @@ def calibrate(device: torch.device, dtype: torch.dtype, threads: int | None) -> 
             byte_rate = _rate(_pointwise(device, dtype), clock, flops=False)
             random_rate = _rate(_random(device, dtype), clock, flops=False)
             norm_rate = _rate(_batch_norm(device, dtype), clock, flops=False)
-            per_op, region = _overheads(device, dtype, clock, "recompute", pointwise=True)
-            recomputed_op, sel_region = _overheads(device, dtype, clock, "selective", True)
-            saved_op, _ = _overheads(device, dtype, clock, "selective", pointwise=False)
+            per_op, region = _overheads(device, dtype, clock, RECOMPUTE, pointwise=True)
+            recomputed_op, sel_region = _overheads(device, dtype, clock, SELECTIVE, True)
+            saved_op, _ = _overheads(device, dtype, clock, SELECTIVE, pointwise=False)
             host_rate = (
                 _rate(_to_host(device), clock, flops=False) if device.type == "cuda" else byte_rate
             )
@@ -447,7 +448,7 @@ def _overheads(
     device: torch.device,
     dtype: torch.dtype,
     clock: Callable[[], float],
-    decision: str,
+    decision: Decision,
     pointwise: bool,
 ) -> tuple[float, float]:
     """Per operator and per region: what ``decision`` adds to a chain's step against keep."""
@@ -461,10 +462,10 @@ def _overheads(
             c(x).sum().backward()
 
         times = {}
-        for d in ("keep", decision):
+        for d in (Decision.KEEP, decision):
             apply_decision(chain, d)
             times[d] = _least(step, clock)
-        extra.append(max(times[decision] - times["keep"], 0.0))
+        extra.append(max(times[decision] - times[Decision.KEEP], 0.0))
     per = max(extra[1] - extra[0], 0.0) / (64 - 8)
     return per, max(extra[0] - 8 * per, 0.0)
 

@@ -69,9 +69,9 @@ SPAN_COMPLEXITY = 5
 _INF = float("inf")
 
 
-def simplicity(n: int, i: int, d: str) -> int:
+def simplicity(n: int, i: int, d: Decision) -> int:
     """Integer weight of decision ``d`` on block ``i`` of ``n``: complexity first, then position."""
-    c = COMPLEXITY[Decision(d)]
+    c = COMPLEXITY[d]
     return c * (n * (n + 1) // 2 + 1) + (i + 1 if c else 0)
 
 
@@ -139,7 +139,7 @@ def span_end(
 
 def segment_table(
     blocks: Sequence[BlockCosts],
-    allowed: Sequence[str],
+    allowed: Sequence[Decision],
     max_span: int,
     chained: Sequence[bool] | None = None,
     kept_outputs: Sequence[bool] | None = None,

@@ -17,15 +17,16 @@ Example:
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
 from .state import check_step_options
 from .stepmodel import check_budget
+from .types import Timer
 
 #: The cost measures ``remat.profile`` knows (see its ``timer`` argument).
-TIMERS = ("time", "measured", "flops")
+TIMERS: tuple[Timer, ...] = get_args(Timer)
 
 _UNSET: Any = object()
 

@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -32,6 +32,9 @@ from ..engine.state import ForwardState
 from ..engine.tree import tensors_in
 from ..policies import save_matmuls
 
+#: The kinds of operator call the calibration prices at rates of their own (:class:`OpCount`).
+OpKind = Literal["mm", "conv", "random", "norm", "other"]
+
 
 @dataclasses.dataclass(frozen=True)
 class OpCount:
@@ -42,7 +45,7 @@ class OpCount:
     serves it in recompute."""
 
     op: str
-    kind: str
+    kind: OpKind
     dtype: torch.dtype | None
     flops: float
     bytes: int
@@ -155,7 +158,7 @@ def op_class(c: OpCount) -> str:
     return "pointwise"
 
 
-def _kind(func: Any, flops: float) -> str:
+def _kind(func: Any, flops: float) -> OpKind:
     name = func.overloadpacket.__name__
     if flops <= 0:
         if "batch_norm" in name:  # the batch's statistics: dearer per byte than pointwise

@@ -29,6 +29,7 @@ from .amp import fresh_region, outside
 from .inputs import Inputs
 from .meta import check_not_mixed
 from .state import StepState
+from .types import Timer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +59,7 @@ class Loop:
     set_to_none: bool = True
     loss_fn: Callable[[Any], torch.Tensor] | None = None
     check_fn: Callable[[str, nn.Module], bool] | None = None
-    timer: str = "time"
+    timer: Timer = "time"
     distributed: bool | None = None
     compile: bool = False
 

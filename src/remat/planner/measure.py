@@ -88,14 +88,17 @@ from .state import (
 )
 from .stepmodel import HELD_LINES, profile_data
 from .timing import flop_costs, modelled_costs, time_blocks
-from .types import Decision, Measurements, Timeline, Window
-
-KEEP, RECOMPUTE, SELECTIVE, OFFLOAD, SPLIT = (
-    Decision.KEEP,
-    Decision.RECOMPUTE,
-    Decision.SELECTIVE,
-    Decision.OFFLOAD,
-    Decision.SPLIT,
+from .types import (
+    KEEP,
+    OFFLOAD,
+    RECOMPUTE,
+    SELECTIVE,
+    SPLIT,
+    Decision,
+    Measurements,
+    Timeline,
+    Timer,
+    Window,
 )
 
 
@@ -107,7 +110,7 @@ def profile(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     check_fn: Callable[[str, nn.Module], bool] | None = None,
     decisions: Sequence[str] | None = None,
-    timer: str = "time",
+    timer: Timer = "time",
     repeats: int = 3,
     threads: int | None = 1,
     distributed: bool | None = None,
@@ -234,6 +237,7 @@ def profile(
     if not isinstance(compile, bool):
         raise TypeError(f"remat.profile: compile must be True or False, got {compile!r}.")
     loop = Loop(optimizer, set_to_none, loss_fn, check_fn, timer, distributed, compile)
+    check_module(model, "remat.profile")
     return profile_loop(
         model, Inputs(*args, **kwargs), loop, decisions=decisions, repeats=repeats,
         threads=threads, device=device, calibration=calibration,
@@ -250,12 +254,14 @@ def profile_loop(
     threads: int | None = 1,
     device: str | torch.device | None = None,
     calibration: str | None = None,
+    blocks: Sequence[str] | None = None,
 ) -> Profile:
-    """:func:`profile` of ``model`` at ``inputs`` for the training ``loop`` (the other
-    arguments as :func:`profile` takes them)."""
+    """:func:`profile` of ``model`` (an ``nn.Module``: its caller checked) at ``inputs`` for
+    the training ``loop`` (the other arguments as :func:`profile` takes them); ``blocks``: the
+    candidate blocks' names where the caller found them already (they are looked up once a
+    model: :class:`~remat.planner.shaped.ProfileSource`), else found here."""
     args, kwargs = inputs.args, inputs.kwargs
     timer = loop.timer
-    check_module(model, "remat.profile")
     check_grad_enabled("remat.profile")
     if timer not in TIMERS:
         raise ValueError(
@@ -294,8 +300,8 @@ def profile_loop(
             "it will train on); this model's tensors are on "
             f"{device_of(model, (args, kwargs))}: leave device out."
         )
-    names = candidates(model, loop.check_fn)
-    blocks = {n: model.get_submodule(n) for n in names}
+    names = list(blocks) if blocks is not None else candidates(model, loop.check_fn)
+    modules = {n: model.get_submodule(n) for n in names}
     if loop.compile:
         chosen = [Decision(d) for d in (decisions or list(LEVELS))]
         check_compiled_decisions(chosen, "remat.profile")
@@ -304,7 +310,7 @@ def profile_loop(
                 f"remat.profile: decisions must include 'keep', got {list(decisions or [])}."
             )
     else:
-        chosen = _decisions(model, args, kwargs, blocks, decisions, shaped)
+        chosen = _decisions(model, args, kwargs, modules, decisions, shaped)
     agree = active(loop.distributed)
     if agree:  # before any step: ranks that would run different steps would hang
         agree_same((names, [str(d) for d in chosen], repeats, timer), "the blocks, decisions and steps")
@@ -316,7 +322,7 @@ def profile_loop(
         else:
             mode = contextlib.nullcontext()
         with mode, shapes_only(target, "position_ids" not in inputs.kwargs):
-            prof = _profile(model, inputs, loop, blocks, chosen, repeats, threads, calibration,
+            prof = _profile(model, inputs, loop, modules, chosen, repeats, threads, calibration,
                             target)  # fmt: skip
     except (RuntimeError, NotImplementedError) as e:
         if not shaped:
@@ -557,13 +563,13 @@ def _measure_steps(
             model, blocks, step.args, step.kwargs, decisions, priced, step.threads, moved,
             calibration,
         )
-        times = {Decision(d): v for d, v in modelled.items()}
+        times = modelled
         noise = {d: dict.fromkeys(names, 0.0) for d in decisions}
     if timer == "flops":
         # "recompute" as well: a whole step's FLOPs are three times the blocks' forwards
         measured = list(dict.fromkeys([*decisions, RECOMPUTE]))
         flops = flop_costs(model, blocks, step.args, step.kwargs, step.loop.loss_fn, measured)
-        times = {Decision(d): v for d, v in flops.items()}
+        times = flops
         noise = {d: dict.fromkeys(names, 0.0) for d in decisions}
     tick()
     return Measurements(

@@ -28,7 +28,7 @@ def solve_dp(
     blocks: Sequence[BlockCosts],
     top: int,
     budget: int,
-    allowed: Sequence[str],
+    allowed: Sequence[Decision],
     *,
     cost_cap: float | None = None,
 ) -> list[Decision] | None:
@@ -124,7 +124,7 @@ def solve_milp(
     blocks: Sequence[BlockCosts],
     top: int,
     budget: int,
-    allowed: Sequence[str],
+    allowed: Sequence[Decision],
     *,
     cost_cap: float | None = None,
 ) -> list[Decision] | None:
@@ -208,7 +208,7 @@ def solve_milp(
 
 
 def brute_force(
-    blocks: Sequence[BlockCosts], top: int, budget: int, allowed: Sequence[str]
+    blocks: Sequence[BlockCosts], top: int, budget: int, allowed: Sequence[Decision]
 ) -> list[Decision] | None:
     """Every plan, for tests on small chains: the cheapest that fits."""
     best: tuple[float, list[Decision]] | None = None

@@ -617,14 +617,14 @@ class OffloadProbe:
     ``i``'s first argument's storage, and, when block ``i + 1`` starts, whether the input of
     an offloaded block ``i`` is still alive."""
 
-    def __init__(self, pattern: Sequence[str], first: bool, found: OffloadFindings) -> None:
+    def __init__(self, pattern: Sequence[Decision], first: bool, found: OffloadFindings) -> None:
         self.pattern, self.first, self.found = pattern, first, found
         self.refs: list[weakref.ref[torch.UntypedStorage] | None] = [None] * len(pattern)
 
     def before(self, i: int, args: Any, kwargs: Any) -> None:
         f = self.found
         ref = self.refs[i - 1] if i >= 1 else None
-        if ref is not None and self.pattern[i - 1] == Decision.OFFLOAD:
+        if ref is not None and self.pattern[i - 1] is Decision.OFFLOAD:
             alive = ref() is not None
             if self.first:
                 f.alone[i - 1] = not alive
@@ -650,7 +650,7 @@ class OffloadProbe:
         saved it to host memory; kept, that block's ``relu`` holds it into backward)."""
         i = len(self.pattern) - 1
         ref = self.refs[i]
-        if ref is None or self.pattern[i] != Decision.OFFLOAD:
+        if ref is None or self.pattern[i] is not Decision.OFFLOAD:
             return
         alive = ref() is not None
         if self.first:
@@ -675,7 +675,7 @@ def offload_inputs(
     args: Any,
     kwargs: Any,
     state: StepState,
-    before: Sequence[str],
+    before: Sequence[Decision],
 ) -> tuple[list[int], list[int]]:
     """For each block, the bytes of its first argument (the input a span starting there
     offloads) when nothing but the block itself holds it on the device once the block has
@@ -695,7 +695,7 @@ def offload_inputs(
     found = OffloadFindings(n)
     offload = Decision.OFFLOAD
     patterns = [[offload] * n] + [
-        [Decision(d) if i % 2 == parity else offload for i in range(n)]
+        [d if i % 2 == parity else offload for i in range(n)]
         for d in before
         for parity in (0, 1)
     ]

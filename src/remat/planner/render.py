@@ -69,15 +69,13 @@ def plan_table(plan: PlanData) -> str:
     dw = max([10] + [len(d) + 2 for d in plan.decisions.values()])
     if plan.spans:
         dw = max(dw, max(len(f"recompute in span {a}..{b}") + 2 for a, b in plan.spans))
-        if plan.offloaded_spans:
+        if any(sp.offloaded for sp in plan.block_spans):
             dw += len(" (input offloaded)")
     lines = [f"{'module':<{w}}  {'decision':<{dw}}{'saves':>12}{'adds':>14}"]
     in_span = {}
-    names = list(plan.decisions)
-    moved = {first for first, _ in plan.offloaded_spans}
-    for first, last in plan.spans:
-        for n in names[names.index(first) : names.index(last) + 1]:
-            in_span[n] = f"{first}..{last}" + (" (input offloaded)" if first in moved else "")
+    for sp, (first, last) in zip(plan.block_spans, plan.spans):
+        for n in plan.members(sp):
+            in_span[n] = f"{first}..{last}" + (" (input offloaded)" if sp.offloaded else "")
     for name, decision in plan.decisions.items():
         d = f"{decision} in span {in_span[name]}" if name in in_span else str(decision)
         saves = fmt_bytes(plan.saved_bytes.get(name, 0))

@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..engine.bytes import storage_bytes
 from ..engine.errors import PlanError
 from ..engine.tree import tensors_in
-from ..modules.modelinfo import device_of
+from ..modules.modelinfo import candidates, device_of
 from . import measure
 from .distributed import agree_min, agree_same
 from .fake import fake_twin, on_fake
@@ -39,6 +39,7 @@ from .render import fmt_bytes
 from .shapefit import ShapeFit
 from .solve import Profile
 from .stepmodel import located
+from .types import Timer
 
 #: What a profile from shapes may raise where shapes alone do not profile a model.
 NOT_FROM_SHAPES = (RuntimeError, NotImplementedError, TypeError, ValueError)
@@ -84,6 +85,10 @@ class ProfileSource:
             step, where the batch allows: ``True``, at the largest pair; a callable (the
             budget in bytes of a whole-batch profile), at the largest pair whose unchecked
             steps are predicted within that budget.
+
+    Its :attr:`blocks` (the model's candidate blocks, by ``loop.check_fn``) are found once,
+    as it is made, and every profile (of the model, of its twin, of a cut batch) is of them:
+    the callers that plan the model read them here rather than look them up again.
     """
 
     def __init__(
@@ -98,6 +103,9 @@ class ProfileSource:
     ) -> None:
         self.model, self.loop, self.device, self.say = model, loop, device, say
         self.agree, self.within = agree, within
+        #: the candidate blocks' names (a twin's are the same: its modules answer
+        #: ``check_fn`` as the model's own of the same name)
+        self.blocks = candidates(model, loop.check_fn)
         self.meta = is_meta(model, ())
         #: why profiles are of real steps (``None``: from shapes)
         self.why = None if self.meta else no_shapes(model, loop.timer, agree, loop.compile)
@@ -120,19 +128,21 @@ class ProfileSource:
         """Whether the profiles are made from shapes (so they count no scratch)."""
         return self.why is None
 
-    def __call__(self, inputs: Inputs, at: str = "", timer: str | None = None) -> Profile:
+    def __call__(self, inputs: Inputs, at: str = "", timer: Timer | None = None) -> Profile:
         """The profile at ``inputs`` (on the model's device, or on meta for a meta model);
         ``at`` says which (``" at size 512"``) when there are several. Its steps are counted
         on a bar of ``say`` (:func:`~remat.planner.progress.bar`)."""
         with self.say.active():
             return self._profile(inputs, at, timer)
 
-    def _profile(self, inputs: Inputs, at: str, timer: str | None) -> Profile:
+    def _profile(self, inputs: Inputs, at: str, timer: Timer | None) -> Profile:
         loop = dataclasses.replace(self.loop, timer=timer or self.loop.timer)
         args, kwargs = inputs.args, inputs.kwargs
         if self.meta or is_meta(self.model, (args, kwargs)):
             self.say(f"profiling from shapes{at} (a model on the meta device)")
-            return measure.profile_loop(self.model, inputs, loop, device=self.device)
+            return measure.profile_loop(
+                self.model, inputs, loop, device=self.device, blocks=self.blocks
+            )
         if self.why is None:
             try:
                 if self._twin is None:
@@ -143,11 +153,15 @@ class ProfileSource:
                 if mode is not None:  # autocast: a fake twin, which autocast casts
                     a, k = on_fake(mode, (args, kwargs))
                     self.say(f"profiling from shapes{at} (a fake copy of the model, for autocast)")
-                    return measure.profile_loop(model, Inputs(*a, **k), on_twin)
+                    return measure.profile_loop(model, Inputs(*a, **k), on_twin, blocks=self.blocks)
                 a, k = on_meta((args, kwargs))
                 self.say(f"profiling from shapes{at} (a meta copy of the model: nothing allocated)")
                 return measure.profile_loop(
-                    model, Inputs(*a, **k), on_twin, device=device_of(self.model, (args, kwargs))
+                    model,
+                    Inputs(*a, **k),
+                    on_twin,
+                    device=device_of(self.model, (args, kwargs)),
+                    blocks=self.blocks,
                 )
             except AutocastInForward:  # the model's forward casts: a fake twin, once
                 if self._twin is not None and self._twin[2] is None:
@@ -164,7 +178,7 @@ class ProfileSource:
             if fitted is not None:
                 return fitted
         self.say(f"profiling real steps{at}, the unchecked step among them: {self.why}")
-        return measure.profile_loop(self.model, inputs, loop)
+        return measure.profile_loop(self.model, inputs, loop, blocks=self.blocks)
 
     def _fitted(self, inputs: Inputs, loop: Loop) -> Profile | None:
         """The profile at ``inputs`` fitted from real profiles at two smaller batches (never
@@ -241,7 +255,9 @@ class ProfileSource:
             for n in pair:
                 if n not in profiles:
                     a, k = batch.cut(args, largest, n)
-                    profiles[n] = measure.profile_loop(self.model, Inputs(*a, **k), loop)
+                    profiles[n] = measure.profile_loop(
+                        self.model, Inputs(*a, **k), loop, blocks=self.blocks
+                    )
         except NOT_FROM_SHAPES as e:
             if self.agree:
                 raise  # the other ranks would wait for this one's next step

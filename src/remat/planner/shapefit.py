@@ -114,7 +114,7 @@ def _structure(prof: ProfileData) -> tuple[object, ...]:
         dataclasses.replace(
             prof,
             input_shapes=[],
-            cost_unit="",
+            cost_unit="s",  # the unit apart: one value at every size
             scratch=dataclasses.replace(prof.scratch, located=False),
             from_shapes=False,
         )

@@ -35,14 +35,13 @@ import dataclasses
 import logging
 import math
 import warnings
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
 
 from ..engine.errors import PlanError
 from ..engine.tree import replace_tensors, tensors_in
-from ..modules.modelinfo import candidates
 from .apply import restore_state, snapshot_state
 from .distributed import active, agree_max, agree_min
 from .inputs import Inputs
@@ -53,12 +52,15 @@ from .shaped import ProfileSource
 from .shapefit import ShapeFit
 from .solve import Plan, Profile, plan
 from .stepmodel import budget_of
+from .types import Timer
 
 __all__ = ["ShapePlans", "ShapeSwitch", "Shapes", "shape_plans"]
 
 log = logging.getLogger("remat")
 
-LARGER = ("error", "smallest")
+#: What a batch larger than the largest planned size does (:attr:`Shapes.larger`).
+Larger = Literal["error", "smallest"]
+LARGER: tuple[Larger, ...] = get_args(Larger)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +106,7 @@ class Shapes:
     dims: int | tuple[int, ...] = 1
     sizes: tuple[int, ...] = ()
     multiple: int = 1
-    larger: str = "error"
+    larger: Larger = "error"
     checks: int = 4
 
     def __post_init__(self) -> None:
@@ -246,8 +248,7 @@ class ShapePlans:
         self._agree = active(loop.distributed)
         self._plans: dict[int, Plan] = {}
         self._smallest: Plan | None = None
-        blocks = candidates(model, loop.check_fn)
-        self._blocks = {n: model.get_submodule(n) for n in blocks}
+        self._blocks = {n: model.get_submodule(n) for n in source.blocks}
         self._wrapping = snapshot_state(self._blocks)
         self._applied: Any = None
         self.applied: Plan | None = None
@@ -425,7 +426,7 @@ def shape_plans(
     source = ProfileSource(model, loop, agree=active(loop.distributed), device=None, say=say)
     count = [0]
 
-    def profile_at(size: int, timer: str) -> Profile:
+    def profile_at(size: int, timer: Timer) -> Profile:
         a, k = shapes.cut(args, largest, size)
         count[0] += 1
         what = f"{count[0]} of {len(knots)}" if count[0] <= len(knots) else "checking the fit"

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 from torch import nn
@@ -56,7 +57,16 @@ from .stepmodel import (
     unchecked_peak,
     with_scratch,
 )
-from .types import BlockCosts, Decision, PlanData, ProfileData, Span, SpanLike, StepPeak
+from .types import (
+    BlockCosts,
+    Decision,
+    PlanData,
+    ProfileData,
+    Span,
+    SpanLike,
+    StepPeak,
+    as_decisions,
+)
 
 __all__ = [
     "Plan",
@@ -85,8 +95,9 @@ class Profile(ProfileData):
 
     def peak(self, decisions: Sequence[str], spans: Sequence[SpanLike] = ()) -> StepPeak:
         """The step model's peak for a plan: one decision per block and spans as
-        :class:`~remat.planner.types.Span` s (or ``(first, last)`` block indices)."""
-        return step_peak(self, decisions, spans)
+        :class:`~remat.planner.types.Span` s (or ``(first, last)`` block indices); the
+        decisions by name (``"keep"``) or as :class:`~remat.planner.types.Decision` s."""
+        return step_peak(self, as_decisions(decisions), spans)
 
     @property
     def unchecked_peak_bytes(self) -> int:
@@ -151,7 +162,7 @@ def solve_chain(
     """
     n = len(blocks)
     with _HOST:
-        t = segment_table(blocks, allowed, max(1, max_span), chained, kept_outputs)
+        t = segment_table(blocks, as_decisions(allowed), max(1, max_span), chained, kept_outputs)
         ctg = cost_to_go(t, n, top, budget)
         if cost_cap is None:
             return None if ctg.least() is None else unpack(t, ctg.cheapest(t))
@@ -166,7 +177,7 @@ def solve(
     allowed: Sequence[str],
     *,
     tolerance: float = 0.0,
-    solver: str = "milp",
+    solver: Literal["milp", "dp", "chain"] = "milp",
     max_span: int = 1,
     chained: Sequence[bool] | None = None,
     kept_outputs: Sequence[bool] | None = None,
@@ -174,6 +185,7 @@ def solve(
     """The simplest plan within ``tolerance`` of the least cost: ``(decisions, spans)``, or
     ``None`` when none fits. ``max_span > 1`` allows spans (solved by :func:`solve_chain`);
     otherwise ``solver`` picks the MILP or the per-block DP."""
+    allowed = as_decisions(allowed)
     if max_span > 1 or solver == "chain":
         n = len(blocks)
         with _HOST:
@@ -223,7 +235,7 @@ def smallest_chain(
     and ``kept_outputs`` allow: :func:`~remat.planner.chain.span_end`) of the smallest
     predicted activation peak."""
     with _HOST:
-        t = segment_table(blocks, allowed, max(1, max_span), chained, kept_outputs)
+        t = segment_table(blocks, as_decisions(allowed), max(1, max_span), chained, kept_outputs)
         return unpack(t, smallest(t, len(blocks), top))
 
 
@@ -312,7 +324,11 @@ def cheaper_uniform(alloc: ProfileData, budget: int, cost: float) -> list[Decisi
     return None if best is None else best[1]
 
 
-def _solver(name: str) -> str:
+#: :func:`plan`'s solvers (``"auto"``: the MILP where scipy is installed, else the DP).
+Solver = Literal["auto", "milp", "dp"]
+
+
+def _solver(name: Solver) -> Literal["milp", "dp"]:
     if name not in ("auto", "milp", "dp"):
         raise ValueError(f"remat.plan: solver must be 'auto', 'milp' or 'dp', got {name!r}.")
     if name == "auto":
@@ -325,20 +341,20 @@ def _solver(name: str) -> str:
     return name
 
 
-def _tolerance(profile: ProfileData, allowed: Sequence[str]) -> float:
+def _tolerance(profile: ProfileData, allowed: Sequence[Decision]) -> float:
     """Timing noise of a plan's cost: near-ties within it go to the simpler plan."""
     if profile.cost_unit != "s":
         return 0.0
     sq = 0.0
     for b in profile.blocks:
-        sq += max([b.noise.get(Decision(d), 0.0) for d in allowed] + [0.0]) ** 2
+        sq += max([b.noise.get(d, 0.0) for d in allowed] + [0.0]) ** 2
     return math.sqrt(sq)
 
 
 def _miss(
     profile: ProfileData,
     budget: int,
-    ds: Sequence[str],
+    ds: Sequence[Decision],
     spans: Sequence[Span],
     low: StepPeak,
     unchecked: StepPeak,
@@ -365,7 +381,7 @@ def plan(
     profile: ProfileData,
     budget: int | float | str,
     *,
-    solver: str = "auto",
+    solver: Solver = "auto",
     spans: bool | None = None,
     max_span: int = 16,
 ) -> Plan:
@@ -500,14 +516,11 @@ def plan(
         peak_at=peak.where,
         breakdown=peak.breakdown,
         peak_movable=peak.movable,
-        spans=[[blocks[sp.first].name, blocks[sp.last].name] for sp in chosen],
         scratch_bytes=scratch,
-        offloaded_spans=[
-            [blocks[sp.first].name, blocks[sp.last].name] for sp in chosen if sp.offloaded
-        ],
         peak_phase=peak.at.phase,
         block_share=block_share(profile),
         diagnostics=advice.loss_head(profile, peak, decisions, chosen),
         scratch_unknown=profile.from_shapes and not profile.scratch.located,
         compiled=profile.compiled,
+        block_spans=chosen,
     )

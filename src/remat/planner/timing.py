@@ -29,6 +29,7 @@ from torch import nn
 from ..engine.tree import tensors_in
 from .calibration import Constants, constants, num_threads
 from .counting import OpCount, count_blocks
+from .types import Decision
 
 
 class BlockTimer:
@@ -113,26 +114,35 @@ def flop_costs(
     args: Any,
     kwargs: Any,
     loss_fn: Any,
-    decisions: Sequence[str],
-) -> dict[str, dict[str, float]]:
+    decisions: Sequence[Decision],
+) -> dict[Decision, dict[str, float]]:
     """FLOPs each decision recomputes: the block's forward FLOPs (``recompute``), twice that
     (``split``), and those of the operators the planner's selective policy does not serve
     from its cache (``selective``: counted under the policy itself, so a matmul output it
     recomputes because the block changes it in place, as ``nn.GRU`` does, counts)."""
     _, counts = count_blocks(model, blocks, args, kwargs)
-    out: dict[str, dict[str, float]] = {d: {} for d in decisions}
+    out: dict[Decision, dict[str, float]] = {d: {} for d in decisions}
     for n, calls in counts.items():
         total = float(sum(c.flops for c in calls))
         unsaved = float(sum(c.flops for c in calls if not c.saved))
+        costs = decision_costs(recompute=total, selective=unsaved, offload=0.0)
         for d in decisions:
-            out[d][n] = {
-                "keep": 0.0,
-                "recompute": total,
-                "selective": unsaved,
-                "offload": 0.0,
-                "split": 2 * total,  # the block again, then each child again for its backward
-            }[d]
+            out[d][n] = costs[d]
     return out
+
+
+def decision_costs(*, recompute: float, selective: float, offload: float) -> dict[Decision, float]:
+    """What each decision adds to one block, from the cost of running its forward again
+    (``recompute``), under the selective policy (``selective``) and of its copies to the
+    host and back (``offload``): ``keep`` adds nothing, ``split`` runs the block again, then
+    each child again for its backward (twice ``recompute``)."""
+    return {
+        Decision.KEEP: 0.0,
+        Decision.RECOMPUTE: recompute,
+        Decision.SELECTIVE: selective,
+        Decision.OFFLOAD: offload,
+        Decision.SPLIT: 2 * recompute,
+    }
 
 
 def modelled_costs(
@@ -140,12 +150,12 @@ def modelled_costs(
     blocks: dict[str, nn.Module],
     args: Any,
     kwargs: Any,
-    decisions: Sequence[str],
+    decisions: Sequence[Decision],
     device: torch.device,
     threads: int | None,
     offloaded: dict[str, int] | None = None,
     calibration: str | None = None,
-) -> tuple[dict[str, dict[str, float]], float]:
+) -> tuple[dict[Decision, dict[str, float]], float]:
     """Seconds each decision adds to each block, from counted work and the device's
     calibrated constants, and the predicted time of a whole step with every block kept.
 
@@ -183,7 +193,7 @@ def modelled_costs(
         return k(c.dtype).op_seconds(c.kind, c.flops, c.bytes)
 
     base = k(torch.float32)
-    out: dict[str, dict[str, float]] = {d: {} for d in decisions}
+    out: dict[Decision, dict[str, float]] = {d: {} for d in decisions}
     for n, calls in counts.items():
         again = sum(run(c) + k(c.dtype).per_op for c in calls) + base.region
         sel = base.selective_region + sum(
@@ -193,14 +203,9 @@ def modelled_costs(
         # a copy counts its source and destination bytes (as the counter counts one, and as
         # host_rate was calibrated), out and back
         moved = 4 * (offloaded or {}).get(n, 0)
+        costs = decision_costs(recompute=again, selective=sel, offload=moved / base.host_rate)
         for d in decisions:
-            out[d][n] = {
-                "keep": 0.0,
-                "recompute": again,
-                "selective": sel,
-                "offload": moved / base.host_rate,
-                "split": 2 * again,
-            }[d]
+            out[d][n] = costs[d]
     step = sum(run(c) + k(c.dtype).per_op + _backward(c, k(c.dtype)) for c in whole)
     return out, step
 

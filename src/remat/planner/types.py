@@ -23,8 +23,8 @@ import dataclasses
 import enum
 import json
 import os
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal, TypeVar
 
 from typing_extensions import Self
 
@@ -36,16 +36,23 @@ __all__ = [
     "DECISIONS",
     "FIT",
     "GROUP",
+    "KEEP",
     "MAX",
     "MIN",
     "NEVER",
+    "OFFLOAD",
+    "RECOMPUTE",
     "SAME",
+    "SELECTIVE",
     "SPAN_INNER",
+    "SPLIT",
     "Measurements",
     "OptimizerTerms",
+    "PeakPart",
     "PlanData",
     "ProfileData",
     "BlockCosts",
+    "CostUnit",
     "Decision",
     "Fit",
     "Phase",
@@ -59,9 +66,11 @@ __all__ = [
     "StepPeak",
     "TIME",
     "Timeline",
+    "Timer",
     "Where",
     "Window",
     "WindowKind",
+    "as_decisions",
     "shared_inputs",
     "term_parts",
     "with_parts",
@@ -89,6 +98,16 @@ class Fit(enum.Enum):
 FIT = {"fit": Fit.EXACT}
 BOUND = {"fit": Fit.BOUND}
 TIME = {"fit": Fit.TIME}
+
+#: The cost measure of a profile (:func:`remat.profile`'s ``timer``): counted work priced
+#: per device, timed steps, or FLOPs.
+Timer = Literal["time", "measured", "flops"]
+
+#: The unit of a profile's and a plan's costs: seconds, or FLOPs (``timer="flops"``).
+CostUnit = Literal["s", "flop"]
+
+#: What a step's peak is made of (the keys of :attr:`StepPeak.breakdown`, in this order).
+PeakPart = Literal["static", "gradients", "optimizer", "activations"]
 
 #: A term that never binds: the backward term of a block whose backward was never seen.
 NEVER = -(2**62)
@@ -123,8 +142,29 @@ class Decision(str, enum.Enum):
         return self in (Decision.RECOMPUTE, Decision.SELECTIVE, Decision.SPLIT)
 
 
+#: The decisions as names of their own, for the modules that spell many of them.
+KEEP, RECOMPUTE, SELECTIVE, OFFLOAD, SPLIT = (
+    Decision.KEEP,
+    Decision.RECOMPUTE,
+    Decision.SELECTIVE,
+    Decision.OFFLOAD,
+    Decision.SPLIT,
+)
+
 #: Every decision, in the order profiles measure them.
 DECISIONS: tuple[Decision, ...] = tuple(Decision)
+
+
+def as_decisions(values: Sequence[str]) -> list[Decision]:
+    """Decisions from their names (``"keep"``) or from decisions: the one conversion, where a
+    public function takes them (:meth:`remat.Profile.peak`, :func:`remat.profile`'s
+    ``decisions``); below it they travel as :class:`Decision` s.
+
+    Example:
+        >>> as_decisions(["keep", Decision.RECOMPUTE])
+        ['keep', 'recompute']
+    """
+    return [Decision(v) for v in values]
 
 #: How the blocks of a span run inside it: ``keep`` is one checkpoint over the whole span
 #: (Chen et al.'s segments); ``recompute`` and ``split`` checkpoint each block inside it as
@@ -459,7 +499,7 @@ class StepPeak:
 
     bytes: int
     at: Where
-    breakdown: dict[str, int]
+    breakdown: dict[PeakPart, int]
 
     @property
     def where(self) -> str:
@@ -536,7 +576,7 @@ class Measurements:
     splittable: set[str]
     shared_inputs: dict[str, int] = dataclasses.field(default_factory=dict)
     head_freed: dict[Decision, int] = dataclasses.field(default_factory=dict)
-    timer: str = "time"
+    timer: Timer = "time"
     keep_cost: float = 0.0
     grad_bytes: int = 0
     shared_bytes: int = 0
@@ -713,7 +753,7 @@ class ProfileData:
     blocks: list[BlockCosts]
     top: int = dataclasses.field(metadata=MAX | FIT)
     decisions: list[Decision] = dataclasses.field(metadata=SAME)
-    cost_unit: str = dataclasses.field(metadata=SAME)
+    cost_unit: CostUnit = dataclasses.field(metadata=SAME)
     input_shapes: list[list[int]] = dataclasses.field(metadata=SAME)
     device: str = ""
     torch_version: str = ""
@@ -752,10 +792,20 @@ class ProfileData:
         return self.scratch.bytes
 
     @property
+    def step_start(self) -> dict[PeakPart, int]:
+        """What a later step starts with, by part: ``static`` (parameters, buffers, inputs),
+        ``gradients`` (kept ones: ``grads_kept``) and ``optimizer`` (its state); the step
+        model's one formula of it (:attr:`static_step_bytes` is their sum)."""
+        return {
+            "static": self.static_bytes,
+            "gradients": self.grad_bytes if self.grads_kept else 0,
+            "optimizer": self.optim.state_bytes,
+        }
+
+    @property
     def static_step_bytes(self) -> int:
         """Bytes a later step starts with: static, kept gradients, optimizer state."""
-        kept = self.grad_bytes if self.grads_kept else 0
-        return self.static_bytes + kept + self.optim.state_bytes
+        return sum(self.step_start.values())
 
     @property
     def spans_may_join(self) -> list[bool]:
@@ -837,7 +887,7 @@ def with_parts(prof: P, make: Callable[[str, Any], Any]) -> P:
     )
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(init=False)
 class PlanData:
     """One decision per candidate block, with what the step model predicts for it.
 
@@ -869,18 +919,23 @@ class PlanData:
             and ``activations``.
         peak_movable: ``False`` when no plan can lower the peak (it is in the
             optimizer step or before the first block).
-        spans: ``[first, last]`` block names of each region that spans consecutive
-            blocks: one checkpointed region whose blocks run inside it as their
-            decision says (``keep``: plain, one checkpoint over the span as in Chen et
-            al.'s segments; ``recompute`` or ``split``: checkpointed inside it too;
-            ``selective``: the policy's saved outputs handed to the span).
+        block_spans: each region that spans consecutive blocks, as a :class:`Span`
+            (indices into ``decisions``' order, and whether its input is offloaded): one
+            checkpointed region whose blocks run inside it as their decision says
+            (``keep``: plain, one checkpoint over the span as in Chen et al.'s segments;
+            ``recompute`` or ``split``: checkpointed inside it too; ``selective``: the
+            policy's saved outputs handed to the span). The spans are stored only so;
+            :attr:`spans` and :attr:`offloaded_spans` render their names.
+        spans: (read-only) ``[first, last]`` block names of each of ``block_spans``; as
+            an argument (and in the JSON), the spans by these names.
         scratch_bytes: what scratch inside operators adds to the predicted peak (at most
             ``Profile.scratch.bytes``, the largest): each term of the step model with the
             largest scratch of its window, the largest of them is ``predicted_peak_bytes +
             scratch_bytes``, which the plan keeps within the budget.
-        offloaded_spans: the spans (of ``spans``) whose input is kept in host memory
-            until their own backward asks for it (on a device:
-            ``apply_span(offload_inputs=True, prefetch=False)``).
+        offloaded_spans: (read-only) the spans (of ``spans``) whose input is kept in host
+            memory until their own backward asks for it (on a device:
+            ``apply_span(offload_inputs=True, prefetch=False)``); as an argument (and in
+            the JSON), those spans by their names.
         peak_phase: the phase of the step where the peak falls (``peak_at`` in words).
         block_share: the share of the unchecked step's activations the blocks keep
             (:func:`~remat.planner.stepmodel.block_share`); the table names the blocks
@@ -903,45 +958,122 @@ class PlanData:
     budget_bytes: int
     saved_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
     added_cost: dict[str, float] = dataclasses.field(default_factory=dict)
-    cost_unit: str = "s"
+    cost_unit: CostUnit = "s"
     static_bytes: int = 0
     peak_at: str = ""
-    breakdown: dict[str, int] = dataclasses.field(default_factory=dict)
+    breakdown: dict[PeakPart, int] = dataclasses.field(default_factory=dict)
     peak_movable: bool = True
-    spans: list[list[str]] = dataclasses.field(default_factory=list)
     scratch_bytes: int = 0
-    offloaded_spans: list[list[str]] = dataclasses.field(default_factory=list)
     peak_phase: Phase | None = None
     block_share: float | None = None
     diagnostics: list[Diagnostic] = dataclasses.field(default_factory=list)
     scratch_unknown: bool = False
     compiled: bool = False
+    block_spans: list[Span] = dataclasses.field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        bad = sorted(str(d) for d in self.decisions.values() if d not in _NAMES)
+    # Written out (not generated) so that it takes the spans by name, as plans made before
+    # they were stored as Spans were built and read (positional arguments as then); names
+    # given win over ``block_spans`` (``dataclasses.replace(plan, spans=[])`` drops them).
+    def __init__(
+        self,
+        decisions: Mapping[str, str],
+        predicted_peak_bytes: int,
+        predicted_overhead_s: float,
+        unchecked_peak_bytes: int,
+        budget_bytes: int,
+        saved_bytes: dict[str, int] | None = None,
+        added_cost: dict[str, float] | None = None,
+        cost_unit: CostUnit = "s",
+        static_bytes: int = 0,
+        peak_at: str = "",
+        breakdown: dict[PeakPart, int] | None = None,
+        peak_movable: bool = True,
+        spans: Sequence[Sequence[str]] | None = None,
+        scratch_bytes: int = 0,
+        offloaded_spans: Sequence[Sequence[str]] | None = None,
+        peak_phase: Phase | str | None = None,
+        block_share: float | None = None,
+        diagnostics: Sequence[Diagnostic | dict[str, str]] = (),
+        scratch_unknown: bool = False,
+        block_spans: Sequence[Span] = (),
+        compiled: bool = False,
+    ) -> None:
+        bad = sorted(str(d) for d in decisions.values() if d not in _NAMES)
         if bad:
             raise PlanError(
                 f"Plan: unknown decisions {bad}; expected {[d.value for d in Decision]}."
             )
-        self.decisions = {n: Decision(d) for n, d in self.decisions.items()}
-        if isinstance(self.peak_phase, str):
-            self.peak_phase = Phase[self.peak_phase]
+        self.decisions = {n: Decision(d) for n, d in decisions.items()}
+        self.predicted_peak_bytes = predicted_peak_bytes
+        self.predicted_overhead_s = predicted_overhead_s
+        self.unchecked_peak_bytes = unchecked_peak_bytes
+        self.budget_bytes = budget_bytes
+        self.saved_bytes = {} if saved_bytes is None else saved_bytes
+        self.added_cost = {} if added_cost is None else added_cost
+        self.cost_unit = cost_unit
+        self.static_bytes = static_bytes
+        self.peak_at = peak_at
+        self.breakdown = {} if breakdown is None else breakdown
+        self.peak_movable = peak_movable
+        self.scratch_bytes = scratch_bytes
+        self.peak_phase = Phase[peak_phase] if isinstance(peak_phase, str) else peak_phase
+        self.block_share = block_share
         self.diagnostics = [
             d if isinstance(d, Diagnostic) else Diagnostic(Kind[d["kind"]], d["module"], d["message"])
-            for d in self.diagnostics
+            for d in diagnostics
         ]
+        self.scratch_unknown = scratch_unknown
+        self.compiled = compiled
+        if spans is None and offloaded_spans is None:
+            self.block_spans = list(block_spans)
+        else:
+            self.block_spans = self._spans_named(spans or [], offloaded_spans or [])
+
+    def _spans_named(
+        self, spans: Sequence[Sequence[str]], offloaded: Sequence[Sequence[str]]
+    ) -> list[Span]:
+        """The :class:`Span` s of spans given by their first and last blocks' names (those
+        whose first block starts one of ``offloaded`` with their input offloaded)."""
+        index = {n: i for i, n in enumerate(self.decisions)}
+        moved = {first for first, _ in offloaded}
+        unknown = sorted({n for sp in spans for n in sp if n not in index})
+        if unknown:
+            raise PlanError(
+                f"Plan: spans name blocks {unknown} that have no decision; name a span by its "
+                "first and last blocks, both keys of decisions."
+            )
+        return [Span(index[a], index[z], a in moved) for a, z in spans]
+
+    @property
+    def spans(self) -> list[list[str]]:
+        """``[first, last]`` block names of each span (:attr:`block_spans`, rendered)."""
+        names = list(self.decisions)
+        return [[names[sp.first], names[sp.last]] for sp in self.block_spans]
+
+    @property
+    def offloaded_spans(self) -> list[list[str]]:
+        """``[first, last]`` block names of each span whose input is offloaded."""
+        names = list(self.decisions)
+        return [[names[sp.first], names[sp.last]] for sp in self.block_spans if sp.offloaded]
+
+    def members(self, span: Span) -> list[str]:
+        """The names of the blocks of ``span`` (one of :attr:`block_spans`), in order."""
+        return list(self.decisions)[span.first : span.last + 1]
 
     def to_json(self) -> str:
-        """Plain JSON (no pickle)."""
+        """Plain JSON (no pickle): the spans by their blocks' names, as plans always wrote
+        them."""
         data = dataclasses.asdict(self)
+        del data["block_spans"]
+        data["spans"] = self.spans
+        data["offloaded_spans"] = self.offloaded_spans
         data["peak_phase"] = None if self.peak_phase is None else self.peak_phase.name
         data["diagnostics"] = [
             {"kind": d.kind.name, "module": d.module, "message": d.message}
             for d in self.diagnostics
         ]
-        if not self.compiled:  # eager plans read as before
-            del data["compiled"]
-        return json.dumps(data, indent=2)
+        keys = _PLAN_JSON + (("compiled",) if self.compiled else ())  # eager: as before
+        return json.dumps({k: data[k] for k in keys}, indent=2)
 
     @classmethod
     def from_json(cls, text: str) -> Self:
@@ -965,8 +1097,7 @@ class PlanData:
                 f"Plan.from_json: expected a JSON object, got {type(data).__name__}; pass the "
                 "text Plan.to_json() wrote."
             )
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(set(data) - set(_PLAN_JSON) - {"compiled"})
         if unknown:
             raise PlanError(
                 f"Plan.from_json: unknown fields {unknown}; the JSON was not written by "
@@ -1007,3 +1138,26 @@ class PlanData:
 
 
 _NAMES = {d.value for d in Decision}
+
+#: The fields of a plan's JSON, in the order :meth:`PlanData.to_json` writes them.
+_PLAN_JSON = (
+    "decisions",
+    "predicted_peak_bytes",
+    "predicted_overhead_s",
+    "unchecked_peak_bytes",
+    "budget_bytes",
+    "saved_bytes",
+    "added_cost",
+    "cost_unit",
+    "static_bytes",
+    "peak_at",
+    "breakdown",
+    "peak_movable",
+    "spans",
+    "scratch_bytes",
+    "offloaded_spans",
+    "peak_phase",
+    "block_share",
+    "diagnostics",
+    "scratch_unknown",
+)

@@ -42,6 +42,7 @@ from torch import nn
 
 from ..stepmodel import parse_budget
 from ..stepmodel.schedule import SCHEDULES
+from ..types import Timer
 from .measure import StageProfile, profile_stage
 from .solve import StagePlan, solve_stage
 
@@ -71,7 +72,7 @@ def plan_pipeline_stage(
     target: Any = None,
     optimizer: torch.optim.Optimizer | None = None,
     return_outputs: bool = True,
-    timer: str = "time",
+    timer: Timer = "time",
     max_span: int = 16,
 ) -> StagePlan:
     """Plan this rank's pipeline stage for ``budget`` bytes: the cheapest checkpointing of

@@ -16,6 +16,7 @@ from ..measure import profile
 from ..solve import Profile
 from ..stepmodel.schedule import Event, stage_events
 from ..stepmodel.stage import StageBytes
+from ..types import Timer
 from .probe import PROBE_LOSS_BYTES, StageProbe, forward_bytes, injected, tensor_bytes
 
 
@@ -68,7 +69,7 @@ def profile_stage(
     target: Any = None,
     optimizer: torch.optim.Optimizer | None = None,
     return_outputs: bool = True,
-    timer: str = "time",
+    timer: Timer = "time",
 ) -> StageProfile:
     """Profile one microbatch of ``module`` as the stage ``stage`` of ``stages`` runs it.
 

@@ -199,9 +199,7 @@ def solve_stage(sp: StageProfile, budget: int, *, max_span: int = 16) -> StagePl
     keep = [Decision.KEEP] * n
     low_ds, low_spans, _ = floor(freed, max_span)
     most = sp.sizes.kept_keep - kept_bytes(freed, sp.sizes.kept_keep, low_ds, low_spans)
-    uniform: list[tuple[list[Decision], list[Span]]] = [
-        ([Decision(d)] * n, []) for d in freed.decisions
-    ]
+    uniform: list[tuple[list[Decision], list[Span]]] = [([d] * n, []) for d in freed.decisions]
     tried: list[tuple[list[Decision], list[Span]]] = [*uniform, (low_ds, low_spans)]
     for i in range(GRID + 1):
         found = _candidate(sp, budget, most * i // GRID, max_span)

@@ -26,7 +26,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TypeVar
 
-from ..types import NEVER, ProfileData, SpanLike, StepPeak
+from ..types import NEVER, ProfileData, SpanLike, StepPeak, as_decisions
 from .peak import step_peak
 
 P = TypeVar("P", bound=ProfileData)
@@ -88,5 +88,7 @@ def allocator_peak(
 ) -> StepPeak:
     """The step's peak under a plan with the scratch inside operators where it happens (the
     allocator's peak, as ``torch.cuda.max_memory_allocated()`` or the CPU allocator's
-    events count it): :func:`~.peak.step_peak` of :func:`with_scratch`."""
-    return step_peak(with_scratch(prof), decisions, spans)
+    events count it): :func:`~.peak.step_peak` of :func:`with_scratch`. As
+    :meth:`remat.Profile.peak` (its twin for the tensors' peak), it takes the decisions by
+    name or as :class:`~remat.planner.types.Decision` s."""
+    return step_peak(with_scratch(prof), as_decisions(decisions), spans)

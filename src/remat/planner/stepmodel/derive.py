@@ -7,20 +7,23 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from ..types import NEVER, BlockCosts, Decision, Measurements, SharedInput, Timeline, shared_inputs
-
-KEEP, RECOMPUTE, SELECTIVE, OFFLOAD, SPLIT = (
-    Decision.KEEP,
-    Decision.RECOMPUTE,
-    Decision.SELECTIVE,
-    Decision.OFFLOAD,
-    Decision.SPLIT,
+from ..types import (
+    KEEP,
+    NEVER,
+    OFFLOAD,
+    SELECTIVE,
+    SPLIT,
+    BlockCosts,
+    Decision,
+    Measurements,
+    SharedInput,
+    Timeline,
+    shared_inputs,
 )
 
 #: The lines whose steps see which block inputs die when forward returns: the others
 #: (checkpoints) hold every block input into backward.
 HELD_LINES = (KEEP, OFFLOAD)
-
 
 
 def derive_blocks(m: Measurements) -> list[BlockCosts]:

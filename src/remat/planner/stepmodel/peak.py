@@ -9,7 +9,11 @@ import itertools
 from collections.abc import Sequence
 
 from ..types import (
+    KEEP,
     NEVER,
+    OFFLOAD,
+    RECOMPUTE,
+    SELECTIVE,
     BlockCosts,
     Decision,
     Phase,
@@ -21,15 +25,6 @@ from ..types import (
     Where,
 )
 from .segments import input_offload_cost, layout, left_in_span
-
-KEEP, RECOMPUTE, SELECTIVE, OFFLOAD, SPLIT = (
-    Decision.KEEP,
-    Decision.RECOMPUTE,
-    Decision.SELECTIVE,
-    Decision.OFFLOAD,
-    Decision.SPLIT,
-)
-
 
 
 def has_exit(blocks: Sequence[BlockCosts]) -> bool:
@@ -123,13 +118,12 @@ def solver_terms(prof: ProfileData, checkpointed: bool = True) -> Terms:
 
 
 def plan_terms(
-    prof: ProfileData, decisions: Sequence[str], spans: Sequence[SpanLike] = ()
+    prof: ProfileData, decisions: Sequence[Decision], spans: Sequence[SpanLike] = ()
 ) -> tuple[Sequence[BlockCosts], int]:
     """The blocks and ``top`` the model uses for a plan (see :func:`checkpointed_view`)."""
     if prof.shared.bytes and (spans or any(d != KEEP for d in decisions)):
         return checkpointed_view(prof.blocks, prof.top, prof.shared.bytes)
     return prof.blocks, prof.top
-
 
 
 _BEFORE = Where(Phase.BEFORE_BLOCKS)
@@ -189,13 +183,13 @@ def _extra_copies(
 def _exact_terms(
     blocks: Sequence[BlockCosts],
     top: int,
-    decisions: Sequence[str],
+    decisions: Sequence[Decision],
     pre: int,
     groups: Sequence[SharedInput] = (),
 ) -> tuple[int, Where]:
     """:func:`activation_terms` of a plan without spans, in two running sums (forward and
     backward: see :func:`exit_view`), each tensor of ``groups`` counted once."""
-    ds = [Decision(d) for d in decisions]
+    ds = decisions
     over = _extra_copies(blocks, ds, groups)
     saved_f = saved_b = 0
     peak, where = pre, _BEFORE
@@ -250,7 +244,7 @@ def shared_view(
 def activation_terms(
     blocks: Sequence[BlockCosts],
     top: int,
-    decisions: Sequence[str],
+    decisions: Sequence[Decision],
     pre: int = 0,
     spans: Sequence[SpanLike] = (),
     groups: Sequence[SharedInput] = (),
@@ -273,7 +267,7 @@ def activation_terms(
 def _activation_terms(
     blocks: Sequence[BlockCosts],
     top: int,
-    decisions: Sequence[str],
+    decisions: Sequence[Decision],
     pre: int,
     spans: Sequence[SpanLike],
     groups: Sequence[SharedInput],
@@ -298,7 +292,7 @@ def _activation_terms(
 def predicted_peak(
     blocks: Sequence[BlockCosts],
     top: int,
-    decisions: Sequence[str],
+    decisions: Sequence[Decision],
     pre: int = 0,
     spans: Sequence[SpanLike] = (),
 ) -> int:
@@ -307,31 +301,29 @@ def predicted_peak(
 
 
 def predicted_cost(
-    blocks: Sequence[BlockCosts], decisions: Sequence[str], spans: Sequence[SpanLike] = ()
+    blocks: Sequence[BlockCosts], decisions: Sequence[Decision], spans: Sequence[SpanLike] = ()
 ) -> float:
     """Added time (or FLOPs) the model predicts for a plan."""
     if not spans:
-        return float(sum(b.cost[Decision(d)] for b, d in zip(blocks, decisions)))
+        return float(sum(b.cost[d] for b, d in zip(blocks, decisions)))
     return float(sum(seg.cost for seg in layout(blocks, decisions, spans)))
 
 
 def step_peak(
-    prof: ProfileData, decisions: Sequence[str], spans: Sequence[SpanLike] = ()
+    prof: ProfileData, decisions: Sequence[Decision], spans: Sequence[SpanLike] = ()
 ) -> StepPeak:
     """The peak of one step of the default loop under a plan (first and later steps).
 
     ``spans`` as in :func:`layout`.
     """
-    static = prof.static_bytes
-    kept = prof.grad_bytes if prof.grads_kept else 0
-    state = prof.optim.state_bytes
+    base = prof.step_start
+    static, kept, state = base["static"], base["gradients"], base["optimizer"]
     blocks, top = plan_terms(prof, decisions, spans)
     groups = prof.shared.groups
     act, where = activation_terms(blocks, top, decisions, prof.pre, spans, groups, prof.post)
     grads_at = _grads_at(prof, where)
-    base = {"static": static, "gradients": kept, "optimizer": state}
     best = StepPeak(
-        static + kept + state + act,
+        prof.static_step_bytes + act,
         where,
         {**base, "gradients": kept + grads_at, "activations": act - grads_at},
     )
@@ -377,11 +369,11 @@ def _grads_at(prof: ProfileData, where: Where) -> int:
 
 
 def attribution(
-    blocks: Sequence[BlockCosts], decisions: Sequence[str], spans: Sequence[SpanLike] = ()
+    blocks: Sequence[BlockCosts], decisions: Sequence[Decision], spans: Sequence[SpanLike] = ()
 ) -> tuple[dict[str, int], dict[str, float]]:
     """Per block, the bytes its decision saves at the peak and the time (or FLOPs) it adds,
     spans shared out among their blocks; they add up to the plan's saving and cost."""
-    ds = [Decision(d) for d in decisions]
+    ds = decisions
     saved = {b.name: b.retained[KEEP] - b.retained[d] for b, d in zip(blocks, ds)}
     added = {b.name: float(b.cost[d]) for b, d in zip(blocks, ds)}
     for sp in map(Span.of, spans):

@@ -8,7 +8,11 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 
 from ..types import (
+    KEEP,
     NEVER,
+    OFFLOAD,
+    RECOMPUTE,
+    SELECTIVE,
     SPAN_INNER,
     BlockCosts,
     Decision,
@@ -20,18 +24,10 @@ from ..types import (
     Where,
 )
 
-KEEP, RECOMPUTE, SELECTIVE, OFFLOAD, SPLIT = (
-    Decision.KEEP,
-    Decision.RECOMPUTE,
-    Decision.SELECTIVE,
-    Decision.OFFLOAD,
-    Decision.SPLIT,
-)
 
-
-def options(blocks: Sequence[BlockCosts], allowed: Sequence[str]) -> list[list[Decision]]:
+def options(blocks: Sequence[BlockCosts], allowed: Sequence[Decision]) -> list[list[Decision]]:
     """For each block, the allowed decisions it was measured under (and may take)."""
-    return [[Decision(d) for d in allowed if d in b.retained and d in b.cost] for b in blocks]
+    return [[d for d in allowed if d in b.retained and d in b.cost] for b in blocks]
 
 
 def input_offload_cost(blocks: Sequence[BlockCosts], a: int) -> float:
@@ -47,7 +43,6 @@ def input_offload_cost(blocks: Sequence[BlockCosts], a: int) -> float:
     if not rates:
         return 0.0
     return float(blocks[a].offload_input * rates[len(rates) // 2])
-
 
 
 def left_in_span(blocks: Sequence[BlockCosts], j: int, d: Decision) -> int:
@@ -72,23 +67,22 @@ class BlockTerms:
     cost: float
 
 
-def block_terms(b: BlockCosts, d: str) -> BlockTerms:
+def block_terms(b: BlockCosts, d: Decision) -> BlockTerms:
     """Block ``b`` alone under ``d`` (see the module docstring for its two terms)."""
-    d = Decision(d)
     saves = b.retained[KEEP] - b.retained[d]
     return BlockTerms(
         b.fwd_start, b.fwd_excess[d], b.bwd_start, b.bwd_excess[d], saves, float(b.cost[d])
     )
 
 
-def block_segment(blocks: Sequence[BlockCosts], i: int, d: str) -> Segment:
+def block_segment(blocks: Sequence[BlockCosts], i: int, d: Decision) -> Segment:
     """Block ``i`` alone under ``d``: the larger of its two terms (:func:`block_terms`)."""
     b = blocks[i]
     t = block_terms(b, d)
     fwd = t.forward_start + t.forward_excess
     bwd = t.backward_start - t.saves + t.backward_excess
     where = Where(Phase.FORWARD, b.name) if fwd >= bwd else Where(Phase.BACKWARD, b.name)
-    return Segment(i, i, Decision(d), SpanKind.BLOCK, max(fwd, bwd), where, t.saves, t.cost)
+    return Segment(i, i, d, SpanKind.BLOCK, max(fwd, bwd), where, t.saves, t.cost)
 
 
 class _Max:
@@ -121,7 +115,7 @@ def _first_max(blocks: Sequence[BlockCosts], *groups: _Max) -> tuple[int, Where]
 
 
 def span_segments(
-    blocks: Sequence[BlockCosts], a: int, end: int, d: str, offload: bool = False
+    blocks: Sequence[BlockCosts], a: int, end: int, d: Decision, offload: bool = False
 ) -> Iterator[Segment]:
     """The spans ``a..z`` for ``z = a+1 .. end-1`` with inner decision ``d``, in order, each
     in O(1) from running sums (stops early at a block not measured under what ``d`` needs).
@@ -136,7 +130,6 @@ def span_segments(
     (:func:`input_offload_cost`). Spans are exact for the blocks' terms; see
     :func:`span_segment` for each kind's terms.
     """
-    d = Decision(d)
     freed = _freed(blocks, a, offload)
     if d is KEEP:
         runs = _keep_spans(blocks, a, end, freed)
@@ -153,7 +146,7 @@ def span_segments(
 
 
 def span_segment(
-    blocks: Sequence[BlockCosts], a: int, z: int, d: str, offload: bool = False
+    blocks: Sequence[BlockCosts], a: int, z: int, d: Decision, offload: bool = False
 ) -> Segment:
     """Blocks ``a..z`` as one checkpointed region, each block inside it as ``d``.
 
@@ -218,7 +211,7 @@ def span_segment(
         if seg.last == z:
             return seg
     raise ValueError(
-        f"blocks {a}..{z} cannot form a span with inner decision {Decision(d)!r}: a block "
+        f"blocks {a}..{z} cannot form a span with inner decision {d!r}: a block "
         "was not measured under it."
     )
 
@@ -354,7 +347,7 @@ def _selective_spans(
 
 
 def layout(
-    blocks: Sequence[BlockCosts], decisions: Sequence[str], spans: Sequence[SpanLike] = ()
+    blocks: Sequence[BlockCosts], decisions: Sequence[Decision], spans: Sequence[SpanLike] = ()
 ) -> list[Segment]:
     """The segments of a plan: ``spans`` are :class:`~remat.planner.types.Span` s (or
     ``(first, last)`` block indices), ascending and disjoint; the blocks inside a span take

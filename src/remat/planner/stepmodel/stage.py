@@ -89,7 +89,7 @@ class Moment:
 
 
 def kept_bytes(
-    prof: ProfileData, kept_keep: int, decisions: Sequence[str], spans: Sequence[SpanLike] = ()
+    prof: ProfileData, kept_keep: int, decisions: Sequence[Decision], spans: Sequence[SpanLike] = ()
 ) -> int:
     """What one microbatch's forward leaves alive to its backward under a plan."""
     blocks, _ = plan_terms(prof, decisions, spans)
@@ -97,7 +97,7 @@ def kept_bytes(
 
 
 def phase_terms(
-    prof: ProfileData, decisions: Sequence[str], spans: Sequence[SpanLike] = ()
+    prof: ProfileData, decisions: Sequence[Decision], spans: Sequence[SpanLike] = ()
 ) -> tuple[int, int]:
     """The largest forward term and the largest backward term of one step under a plan
     (bytes above the step's start; see the module's docstring)."""
@@ -133,7 +133,7 @@ def stage_peak(
     kept: ProfileData,
     sizes: StageBytes,
     moments: Sequence[Event],
-    decisions: Sequence[str],
+    decisions: Sequence[Decision],
     spans: Sequence[SpanLike] = (),
 ) -> Moment:
     """The peak of the stage's step under a plan: the largest over the schedule's moments
@@ -146,10 +146,9 @@ def stage_peak(
         moments: the stage's schedule, in order.
         decisions: one per block; ``spans`` as :func:`~.segments.layout` takes them.
     """
-    ds = [Decision(d) for d in decisions]
-    per_mb = kept_bytes(freed, sizes.kept_keep, ds, spans)
-    fwd, bwd_first = phase_terms(freed, ds, spans)
-    _, bwd_later = phase_terms(kept, ds, spans)
+    per_mb = kept_bytes(freed, sizes.kept_keep, decisions, spans)
+    fwd, bwd_first = phase_terms(freed, decisions, spans)
+    _, bwd_later = phase_terms(kept, decisions, spans)
     best = Moment(-1, "")
     for e in moments:
         alive = held_bytes(sizes, e, per_mb)
