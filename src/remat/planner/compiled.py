@@ -18,6 +18,7 @@ terms (compiled plans refuse autocast).
 from __future__ import annotations
 
 import bisect
+import statistics
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +27,7 @@ import torch
 
 from .probes import WindowProbe
 from .scratch import mark_window, parse_marks, quiet_native_stderr
-from .types import Timeline, Window, WindowKind
+from .types import Decision, Timeline, Window, WindowKind
 
 
 class AllocatorTimeline(WindowProbe):
@@ -147,3 +148,40 @@ def allocator_peak(events: list[Any], device: torch.device) -> int:
         cur += b
         top = max(top, cur)
     return top
+
+
+def whole_step_costs(
+    blocks: dict[Decision, dict[str, float]], steps: dict[Decision, list[float]]
+) -> tuple[dict[Decision, dict[str, float]], dict[Decision, dict[str, float]]]:
+    """Each block's time under each compiled level from the whole steps' times: ``keep``'s
+    block times (``blocks[KEEP]``, each block's windows), and for every other level that
+    time plus the level's whole-step difference to ``keep`` (median of ``steps``), shared
+    by the blocks in proportion to their ``keep`` times; the noise is half the range of the
+    level's steps, shared the same way.
+
+    A level changes more than its blocks' windows: what the step allocates (on CPU, fresh
+    pages the allocator faults in; the optimizer and head run with less memory alive), so a
+    level that recomputes can make the whole step faster than keeping. The blocks' own
+    windows cannot show that; the whole step does, and its difference may be negative
+    (the plan then recomputes where it is faster).
+
+    Example:
+        >>> keep = {"a": 1.0, "b": 3.0}
+        >>> times, noise = whole_step_costs(
+        ...     {Decision.KEEP: keep, Decision.RECOMPUTE: keep},
+        ...     {Decision.KEEP: [10.0, 10.0], Decision.RECOMPUTE: [9.0, 9.0]},
+        ... )
+        >>> times[Decision.RECOMPUTE]
+        {'a': 0.75, 'b': 2.25}
+    """
+    keep = blocks[Decision.KEEP]
+    total = sum(keep.values()) or 1.0
+    base = statistics.median(steps[Decision.KEEP])
+    times: dict[Decision, dict[str, float]] = {}
+    noise: dict[Decision, dict[str, float]] = {}
+    for d, seen in steps.items():
+        delta = 0.0 if d is Decision.KEEP else statistics.median(seen) - base
+        half = (max(seen) - min(seen)) / 2
+        times[d] = {n: t + delta * t / total for n, t in keep.items()}
+        noise[d] = {n: half * t / total for n, t in keep.items()}
+    return times, noise

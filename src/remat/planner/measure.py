@@ -53,7 +53,7 @@ from .amp import outside
 from .apply import apply_decision, restore_state, snapshot_state
 from .calibration import make_clock
 from .checks import TIMERS, check_options
-from .compiled import AllocatorTimeline, profiled
+from .compiled import AllocatorTimeline, profiled, whole_step_costs
 from .distributed import active, agree_profile, agree_same
 from .fake import fake_mode_of, fake_steps
 from .inputs import Inputs, model_inputs
@@ -518,6 +518,7 @@ def _measure_steps(
     opt_terms = (0, 0, 0)
     shared, keep_cost = 0, 0.0
     clock = make_clock(step.device, step.threads) if timer == "measured" else None
+    line_times: dict[Decision, list[float]] = {}  # each timed step's time, per decision
     for d in decisions:
         for nm, mod in blocks.items():  # a block that cannot split is recomputed meanwhile
             if nm in calls.mutating:
@@ -555,7 +556,10 @@ def _measure_steps(
             )
             if d is KEEP:
                 keep_cost = float(sorted(step.costs)[len(step.costs) // 2])
+            line_times[d] = list(step.costs)
         tick()
+    if compiled and clock is not None:
+        times, noise = whole_step_costs(times, line_times)
     if timer == "time":
         moved = _offloaded(names, lines) if OFFLOAD in lines else None
         priced = step.target if step.target is not None else step.device

@@ -30,6 +30,9 @@ def derive_blocks(m: Measurements) -> list[BlockCosts]:
     """The per-block terms of the model from the raw measurements of a profile, pair
     effects and the blocks' limits included (see the module docstring for the terms)."""
     out = _terms(m.names, m.lines, m.costs, m.noise, m.lines[KEEP].input_bytes, m.param_bytes)
+    if m.compiled:  # a compiled level can make the step faster than keeping: as measured
+        for b in out:
+            b.cost = {d: m.costs[d][b.name] - m.costs[KEEP][b.name] for d in b.cost}
     for i, (b, f) in enumerate(zip(out, m.freed)):
         # The next block (kept) frees this one's output as it runs, which the selective
         # cache may hold instead (a block ending in a saved matmul): counted as held, so a
