@@ -199,3 +199,15 @@ def test_compiled_plans_on_a_gpu_meet_their_budget_at_the_caching_allocator():
         static = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), x])
         # gradients of the previous step freed by _grads: the step's bytes above the static
         assert static + step <= p.budget_bytes + 512 * 1024, (budget, static + step, p)
+
+
+def test_compiled_plans_under_a_process_group_are_refused_with_the_reason(monkeypatch):
+    from remat.planner import auto
+
+    model, x = build(SMALL), example_input(SMALL)
+    monkeypatch.setattr(measure, "active", lambda distributed: True)
+    monkeypatch.setattr(auto, "active", lambda distributed: True)
+    with pytest.raises(ValueError, match="compile=True under a process group is not planned"):
+        remat.profile(model, x, compile=True)
+    with pytest.raises(ValueError, match="communication threads' buffers"):
+        remat.auto_checkpoint(model, x, budget="50%", compile=True)
