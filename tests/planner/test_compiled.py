@@ -211,3 +211,13 @@ def test_compiled_plans_under_a_process_group_are_refused_with_the_reason(monkey
         remat.profile(model, x, compile=True)
     with pytest.raises(ValueError, match="communication threads' buffers"):
         remat.auto_checkpoint(model, x, budget="50%", compile=True)
+
+
+def test_explain_says_a_compiled_plans_blocks_ran_eagerly_in_its_steps():
+    model, x = build(SMALL), example_input(SMALL)
+    for m in _blocks(model):
+        compile_block(m, 0.0)
+    report = remat.explain(model, x)
+    assert report.compiled == ("blocks.0", "blocks.1", "blocks.2")
+    assert "Compiled: blocks.0, blocks.1, blocks.2 ran eagerly here" in str(report)
+    assert remat.explain(build(SMALL), x).compiled == ()

@@ -148,6 +148,10 @@ class Explanation:
         diagnostics: boundary warnings (:mod:`remat.measure.diagnose`), each naming the module
             and what to do.
         blocks: the model's repeated blocks (per-module totals are shown per block).
+        compiled: the modules whose forward is compiled (``torch.compile``: a compiled
+            plan's blocks, ``module.compile()``): they ran eagerly in the steps explained
+            (torch.compile runs frames eagerly while a dispatch mode is active, and the
+            tracker is one), so their rows are eager's; the table says so.
     """
 
     model: str
@@ -157,6 +161,7 @@ class Explanation:
     regions: list[RegionStats]
     diagnostics: list[Diagnostic]
     blocks: tuple[str, ...] = ()
+    compiled: tuple[str, ...] = ()
 
     @property
     def by_reason(self) -> dict[Reason, int]:
@@ -233,6 +238,13 @@ class Explanation:
             lines += [str(d) for d in self.diagnostics]
         else:
             lines += ["", "No boundary warnings."]
+        if self.compiled:
+            lines += [
+                "",
+                f"Compiled: {_span_text(self.compiled)} ran eagerly here (torch.compile runs "
+                "eagerly under the tracker, a dispatch mode): these rows are eager's. "
+                "remat.measure_peak measures a compiled plan's blocks at the allocator.",
+            ]
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -255,6 +267,24 @@ class Explanation:
     def to_json(self, indent: int | None = 1) -> str:
         """:meth:`to_dict` as JSON text."""
         return json.dumps(self.to_dict(), indent=indent)
+
+
+def _compiled_modules(model: nn.Module | None) -> tuple[str, ...]:
+    """The names of ``model``'s modules whose forward is compiled: a compiled plan's
+    (an instance ``forward`` marked ``remat_compiled``) or ``module.compile()``'s."""
+    if model is None:
+        return ()
+    return tuple(
+        n
+        for n, m in model.named_modules()
+        if getattr(m.__dict__.get("forward"), "remat_compiled", False)
+        or getattr(m, "_compiled_call_impl", None) is not None
+    )
+
+
+def _span_text(names: tuple[str, ...]) -> str:
+    """``names`` for a line of text: the first and last of many."""
+    return ", ".join(names) if len(names) <= 3 else f"{names[0]} ... {names[-1]} ({len(names)})"
 
 
 def _n(count: int) -> str:
@@ -433,6 +463,7 @@ def _run(
             regions=probe.region_stats(),
             diagnostics=diagnostics,
             blocks=tuple(blocks),
+            compiled=_compiled_modules(model),
         )
     finally:
         probe.close()

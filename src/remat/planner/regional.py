@@ -69,6 +69,8 @@ class CompiledForward:
     """The instance-level ``forward`` of a block compiled at ``budget`` (holds it weakly)."""
 
     __slots__ = ("ref", "budget", "__weakref__")
+    #: read by :func:`remat.explain` (a layer below the planner): the block is compiled
+    remat_compiled = True
 
     def __init__(self, module: nn.Module, budget: float) -> None:
         self.ref = weakref.ref(module)
