@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import remat
 from remat.planner.apply import apply_decision
 from tests.support.simdevice import RaceError, simulated_device, stash_events
+from tests.support.steps import param_grads
 
 SEEDS = [0, 1, 2, 3, 4, 5]
 
@@ -35,10 +36,6 @@ def _ragged_mlp(seed: int, layers: int = 8) -> tuple[torch.nn.Sequential, int]:
     return torch.nn.Sequential(*mods), widths[0]
 
 
-def _grads(model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
-    return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
-
-
 def _zero(model: torch.nn.Module, x: torch.Tensor) -> None:
     model.zero_grad(set_to_none=True)
     x.grad = None
@@ -49,7 +46,7 @@ def _with_reference(seed: int, layers: int, rows: int) -> tuple[Any, torch.Tenso
     model, d = _ragged_mlp(seed, layers=layers)
     x = torch.randn(rows, d, requires_grad=True)
     model(x).sum().backward()
-    ref = _grads(model, x)
+    ref = param_grads(model, x)
     _zero(model, x)
     return model, x, ref
 
@@ -59,7 +56,7 @@ def test_offload_on_async_device_gives_bitwise_grads_over_repeated_steps(seed):
     model, d = _ragged_mlp(seed)
     x = torch.randn(33, d, requires_grad=True)
     model(x).pow(2).sum().backward()
-    ref = _grads(model, x)
+    ref = param_grads(model, x)
     with simulated_device(seed) as dev:
         for step in range(3):
             _zero(model, x)
@@ -68,7 +65,7 @@ def test_offload_on_async_device_gives_bitwise_grads_over_repeated_steps(seed):
             assert stats.offloaded_tensors > 0
             y.pow(2).sum().backward()
             del y
-            for r, g in zip(ref, _grads(model, x)):
+            for r, g in zip(ref, param_grads(model, x)):
                 assert torch.equal(r, g), f"step {step}"
             assert stats.current_bytes == 0
     assert ("out", x.nbytes) in dev.copies
@@ -97,7 +94,7 @@ def test_offload_policies_on_async_device_match_plain_run_and_never_recompute_ma
     model, d = _ragged_mlp(seed, layers=4)
     x = torch.randn(20, d, requires_grad=True)
     model(x).tanh().sum().backward()
-    ref = _grads(model, x)
+    ref = param_grads(model, x)
     _zero(model, x)
     ctx_fn = functools.partial(
         remat.create_selective_checkpoint_contexts, remat.policies.offload_matmuls()
@@ -119,7 +116,7 @@ def test_offload_policies_on_async_device_match_plain_run_and_never_recompute_ma
         finally:
             torch.nn.functional.linear = orig
     assert calls["addmm"] == 4  # recompute reruns the Linear modules; their matmul is served
-    for r, g in zip(ref, _grads(model, x)):
+    for r, g in zip(ref, param_grads(model, x)):
         assert torch.equal(r, g)
     outs = [n for kind, n in dev.copies if kind == "out"]
     assert len(outs) == 4  # one offloaded matmul output per layer
@@ -133,10 +130,10 @@ def test_offload_policy_second_backward_with_retain_graph_copies_back_again():
     with simulated_device(1) as dev:
         y = remat.checkpoint(model, x, context_fn=ctx_fn).sum()
         y.backward(retain_graph=True)
-        first = _grads(model, x)
+        first = param_grads(model, x)
         _zero(model, x)
         y.backward()
-    for r, a, b in zip(ref, first, _grads(model, x)):
+    for r, a, b in zip(ref, first, param_grads(model, x)):
         assert torch.equal(r, a) and torch.equal(r, b)
     backs = sum(1 for kind, _ in dev.copies if kind == "back")
     assert backs == 2 * 2  # two matmul outputs, copied back once per backward
@@ -164,7 +161,7 @@ def test_wrapper_offload_to_cpu_and_planner_offload_on_async_device_match_plain_
     model = torch.nn.Sequential(*blocks)
     x = torch.randn(12, 32, requires_grad=True)
     F.mse_loss(model(x), torch.zeros(12, 32)).backward()
-    ref = _grads(model, x)
+    ref = param_grads(model, x)
     _zero(model, x)
     remat.checkpoint_wrapper(blocks[0], offload_to_cpu=True)
     remat.checkpoint_wrapper(blocks[1], offload_to_cpu=True, policy=remat.policies.save_matmuls())
@@ -172,7 +169,7 @@ def test_wrapper_offload_to_cpu_and_planner_offload_on_async_device_match_plain_
     remat.checkpoint_wrapper(blocks[3], offload_to_cpu=True, use_reentrant=True)
     with simulated_device(seed) as dev:
         F.mse_loss(model(x), torch.zeros(12, 32)).backward()
-    for r, g in zip(ref, _grads(model, x)):
+    for r, g in zip(ref, param_grads(model, x)):
         assert torch.equal(r, g)
     # each wrapper's input, block 2's saved tensors (its input and GELU's input)
     assert [k for k, _ in dev.copies].count("out") == 5
@@ -279,11 +276,11 @@ def test_offload_context_backward_twice_with_retain_graph_on_async_device():
             y = model(x).sum()
         y.backward(retain_graph=True)
         held = stats.current_bytes  # the retained graph still needs them
-        first = _grads(model, x)
+        first = param_grads(model, x)
         _zero(model, x)
         y.backward()
         del y
-    for r, a, b in zip(ref, first, _grads(model, x)):
+    for r, a, b in zip(ref, first, param_grads(model, x)):
         assert torch.equal(r, a) and torch.equal(r, b)
     assert held == stats.offloaded_bytes > 0 and stats.current_bytes == 0
     outs = sum(1 for k, _ in dev.copies if k == "out")
@@ -297,7 +294,7 @@ def test_offload_around_checkpoint_on_async_device_moves_only_region_inputs():
             h = x * 1.0
             y = remat.checkpoint(model, h)
         y.sum().backward()
-    for r, g in zip(ref, _grads(model, x)):
+    for r, g in zip(ref, param_grads(model, x)):
         assert torch.equal(r, g)
     assert [k for k, _ in dev.copies].count("out") == 1  # only the region's input
 
@@ -316,7 +313,7 @@ def test_device_without_streams_gets_blocking_copies_with_same_grads(monkeypatch
     with remat.offload(min_bytes=0) as stats:
         y = model(x)
     y.sum().backward()
-    for r, g in zip(ref, _grads(model, x)):
+    for r, g in zip(ref, param_grads(model, x)):
         assert torch.equal(r, g)
     assert sum(copies) == 2 * stats.offloaded_bytes  # out and back, each once
 

@@ -22,7 +22,9 @@ from torch import nn
 import remat
 from remat.modules.spans import apply_span, remove_span, span_of, spans_in
 from remat.modules.split import split_block
-from tests.support.models import GPT, BNChain, MLPChain, assert_equal, gpt_step, grads, spanned
+from tests.support.models import GPT, BNChain, MLPChain, gpt_step, spanned
+from tests.support.steps import param_grads
+from tests.support.tensors import assert_all_equal
 
 INNERS = ["keep", "recompute", "split", "selective"]
 
@@ -39,7 +41,7 @@ INNERS = ["keep", "recompute", "split", "selective"]
 def test_span_grads_loss_and_rng_equal_unchecked_bitwise(inner, groups):
     ref, rng = gpt_step(GPT())
     got, rng2 = gpt_step(spanned(GPT(), groups, inner))
-    assert_equal(ref, got)
+    assert_all_equal(ref, got)
     assert torch.equal(rng, rng2)
 
 
@@ -62,7 +64,7 @@ def test_random_span_partitions_and_inners_equal_unchecked(seed):
         i += k
     ref, rng = gpt_step(GPT(n=7, seed=seed), seed=seed)
     got, rng2 = gpt_step(model, seed=seed)
-    assert_equal(ref, got)
+    assert_all_equal(ref, got)
     assert torch.equal(rng, rng2)
 
 
@@ -96,7 +98,7 @@ def test_batchnorm_running_stats_updated_once_per_step(inner):
             x = torch.randn(8, 16, requires_grad=True)
             model.zero_grad()
             model(x).backward()
-            out.append(grads(model, x))
+            out.append(param_grads(model, x))
         return out, {k: v.clone() for k, v in model.state_dict().items()}
 
     ref_grads, ref_state = steps(BNChain())
@@ -115,7 +117,7 @@ def test_batchnorm_running_stats_updated_once_per_step(inner):
         apply_span(model, [f"layers.{i}" for i in range(4)], inner="recompute")
     got_grads, got_state = steps(model)
     for a, b in zip(ref_grads, got_grads):
-        assert_equal(a, b)
+        assert_all_equal(a, b)
     assert ref_state.keys() == got_state.keys()
     for k in ref_state:
         assert torch.equal(ref_state[k], got_state[k]), k
@@ -132,7 +134,7 @@ def test_eval_between_forward_and_backward_does_not_change_the_recompute():
     model.eval()
     x.grad = None
     loss.backward()
-    assert_equal(grads(ref), grads(model))
+    assert_all_equal(param_grads(ref), param_grads(model))
 
 
 @pytest.mark.parametrize("inner", INNERS)
@@ -143,11 +145,11 @@ def test_autocast_bfloat16_replayed_in_recompute(inner):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(x)
         loss.backward()  # outside autocast: the recompute must enter it again
-        return [loss.detach(), *grads(model, x)]
+        return [loss.detach(), *param_grads(model, x)]
 
     ref = step(GPT())
     got = step(spanned(GPT(), [[0, 1, 2], [3, 4, 5]], inner))
-    assert_equal(ref, got)
+    assert_all_equal(ref, got)
 
 
 def test_rng_consumed_between_blocks_is_replayed_per_block():
@@ -163,7 +165,7 @@ def test_rng_consumed_between_blocks_is_replayed_per_block():
 
     ref, rng = gpt_step(Noisy())
     got, rng2 = gpt_step(spanned(Noisy(), [[0, 1, 2, 3, 4, 5]], "keep"))
-    assert_equal(ref, got)
+    assert_all_equal(ref, got)
     assert torch.equal(rng, rng2)
 
 
@@ -179,13 +181,13 @@ def test_retain_graph_second_backward_and_autograd_grad(inner):
     torch.manual_seed(1)
     loss = model(x)
     first = torch.autograd.grad(loss, [x, *model.parameters()], retain_graph=True)
-    assert_equal(list(ref), list(first))
+    assert_all_equal(list(ref), list(first))
     if inner == "selective":  # what the policy saved served the first (torch alike)
         with pytest.raises(RuntimeError, match="Trying to backward an extra time"):
             torch.autograd.grad(loss, [x, *model.parameters()])
         return
     second = torch.autograd.grad(loss, [x, *model.parameters()])
-    assert_equal(list(ref), list(second))
+    assert_all_equal(list(ref), list(second))
 
 
 def test_grad_of_an_input_only_and_backward_inputs():
@@ -212,14 +214,14 @@ def test_span_of_one_block_equals_checkpoint_wrapper():
             loss = model(x)
             after = t.current_bytes
             loss.backward()
-        return [loss.detach(), *grads(model, x)], after, t.peak_bytes
+        return [loss.detach(), *param_grads(model, x)], after, t.peak_bytes
 
     wrapped = GPT()
     for layer in wrapped.layers:
         remat.checkpoint_wrapper(layer)
     single = spanned(GPT(), [[i] for i in range(6)], "keep")
     a, b = step(wrapped), step(single)
-    assert_equal(a[0], b[0])
+    assert_all_equal(a[0], b[0])
     assert a[1:] == b[1:]
 
 
@@ -231,7 +233,7 @@ def test_spans_combined_with_per_block_decisions_outside_them():
     split_block(model, "layers.5")  # layer 6 stays plain
     ref, rng = gpt_step(GPT(n=7))
     got, rng2 = gpt_step(model)
-    assert_equal(ref, got)
+    assert_all_equal(ref, got)
     assert torch.equal(rng, rng2)
 
 
@@ -264,11 +266,11 @@ def test_tuple_outputs_and_two_carried_tensors():
         torch.manual_seed(0)
         x = torch.randn(8, 16, requires_grad=True)
         model(x).backward()
-        return grads(model, x)
+        return param_grads(model, x)
 
     model = Net()
     apply_span(model, [f"layers.{i}" for i in range(4)], inner="recompute")
-    assert_equal(step(Net()), step(model))
+    assert_all_equal(step(Net()), step(model))
 
 
 def test_is_recomputing_guards_side_effects_in_the_span_recompute():
@@ -303,7 +305,7 @@ def test_no_grad_and_disable_checkpointing_run_the_plain_blocks():
     with remat.disable_checkpointing():
         ref, _ = gpt_step(GPT())
         got, _ = gpt_step(model)
-    assert_equal(ref, got)
+    assert_all_equal(ref, got)
     # a single block called on its own is fine where nothing is checkpointed
     with torch.no_grad():
         model.layers[3](torch.randn(2, 8, 16))
@@ -313,7 +315,7 @@ def test_early_stop_off_gives_the_same_gradients():
     ref, _ = gpt_step(GPT())
     with remat.set_checkpoint_early_stop(False):
         got, _ = gpt_step(spanned(GPT(), [[0, 1, 2, 3, 4, 5]], "recompute"))
-    assert_equal(ref, got)
+    assert_all_equal(ref, got)
 
 
 def test_an_exception_inside_the_span_leaves_no_hooks_and_the_next_step_works():
@@ -341,7 +343,7 @@ def test_an_exception_inside_the_span_leaves_no_hooks_and_the_next_step_works():
     ref_model.fail = False
     ref, _ = gpt_step(ref_model)
     got, _ = gpt_step(model)
-    assert_equal(ref, got)
+    assert_all_equal(ref, got)
 
 
 def test_an_exception_inside_a_block_restores_state():
@@ -430,7 +432,7 @@ def test_deepcopy_and_pickle_of_a_spanned_model_point_at_the_copy():
         assert m.layers[1].forward.span is m.layers[2].forward.span
         assert m.layers[1].forward.span is not model.layers[1].forward.span
         got, _ = gpt_step(m)
-        assert_equal(ref, got)
+        assert_all_equal(ref, got)
     assert pickle.loads(pickle.dumps(model.layers[0].forward.span)).opts.names == (
         "layers.0",
         "layers.1",
@@ -474,11 +476,11 @@ def test_blocks_returning_their_input_or_a_view_of_it_are_a_chain(middle):
         torch.manual_seed(0)
         x = torch.randn(4, 16, requires_grad=True)
         model(x).backward()
-        return grads(model, x)
+        return param_grads(model, x)
 
     model = Net()
     apply_span(model, [f"layers.{i}" for i in range(5)], inner="recompute")
-    assert_equal(step(Net()), step(model))
+    assert_all_equal(step(Net()), step(model))
 
 
 def test_double_backward_through_a_span():
@@ -490,8 +492,8 @@ def test_double_backward_through_a_span():
         x = torch.randn(4, 6, requires_grad=True, generator=torch.Generator().manual_seed(1))
         (g,) = torch.autograd.grad(model(x).square().sum(), x, create_graph=True)
         g.square().sum().backward()
-        return grads(model)
+        return param_grads(model)
 
     model = make()
     apply_span(model, ["0", "1", "2"], inner="recompute")
-    assert_equal(grad_penalty(make()), grad_penalty(model))
+    assert_all_equal(grad_penalty(make()), grad_penalty(model))

@@ -17,8 +17,10 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 import remat
 from remat.modules.spans import apply_span
 from remat.modules.split import split_block
-from tests.support.models import GPT, MLPChain, assert_equal, gpt_step, grads
+from tests.support.models import GPT, MLPChain, gpt_step
 from tests.support.simdevice import simulated_device, stash_events
+from tests.support.steps import param_grads
+from tests.support.tensors import assert_all_equal
 
 ROWS, D = 256, 16
 UNIT = ROWS * D * 4  # bytes of one block input of MLPChain
@@ -34,7 +36,7 @@ def chain_bytes(model, runner=None) -> tuple[int, int, list[torch.Tensor]]:
         after = t.current_bytes
         y.sum().backward()
         del y
-    return after, t.peak_bytes, grads(model, x)
+    return after, t.peak_bytes, param_grads(model, x)
 
 
 def torch_nested(k: int):
@@ -83,7 +85,7 @@ def test_span_backward_peak_equals_torch_checkpoint_nested_by_hand(k):
     ref_after, ref_peak, ref_grads = chain_bytes(MLPChain(n=8, d=D), torch_nested(k))
     after, peak, got = chain_bytes(spans_of(8, k, MLPChain(n=8, d=D)))
     assert (after, peak) == (ref_after, ref_peak)
-    assert_equal(ref_grads, got)
+    assert_all_equal(ref_grads, got)
 
 
 def test_inner_recompute_peak_is_below_every_block_and_below_one_checkpoint_per_span():
@@ -140,7 +142,7 @@ def gpt_bytes(model) -> tuple[int, int, list[torch.Tensor]]:
         after = t.current_bytes
         loss.backward()
         del loss
-    return after, t.peak_bytes, grads(model, x)
+    return after, t.peak_bytes, param_grads(model, x)
 
 
 @pytest.mark.parametrize("split", [False, True])
@@ -150,7 +152,7 @@ def test_gpt_span_and_split_peaks_equal_torch_nested_by_hand(split):
     spans_of(4, 2, model, inner="split" if split else "recompute")
     got = gpt_bytes(model)
     assert got[:2] == ref[:2]
-    assert_equal(ref[2], got[2])
+    assert_all_equal(ref[2], got[2])
 
 
 def test_split_lowers_the_peak_where_attention_dominates():
@@ -188,7 +190,7 @@ def test_span_input_offload_on_a_device_gives_bitwise_grads(seed, inner):
             # each span's input (2 x 8 x 16 floats) sits in host memory until backward
             assert stash.current_bytes == 3 * x.nbytes
             loss.backward()
-            assert_equal(ref, [loss.detach(), *grads(model, x)])
+            assert_all_equal(ref, [loss.detach(), *param_grads(model, x)])
             assert torch.equal(rng, torch.get_rng_state())
             assert stash.current_bytes == 0
     outs = [n for kind, n in dev.copies if kind == "out"]

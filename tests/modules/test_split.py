@@ -13,7 +13,9 @@ from torch import nn
 import remat
 from remat.modules.spans import apply_span, spans_in
 from remat.modules.split import can_split, is_split, split_block, split_children, unsplit_block
-from tests.support.models import GPT, assert_equal, gpt_step, grads
+from tests.support.models import GPT, gpt_step
+from tests.support.steps import param_grads
+from tests.support.tensors import assert_all_equal
 
 
 def test_split_block_grads_equal_and_unsplit_restores():
@@ -27,7 +29,7 @@ def test_split_block_grads_equal_and_unsplit_restores():
     split_block(model, "layers.4")
     ref, rng = gpt_step(GPT())
     got, rng2 = gpt_step(model)
-    assert_equal(ref, got)
+    assert_all_equal(ref, got)
     assert torch.equal(rng, rng2)
     assert unsplit_block(model, "layers.2") == ["layers.2.ln1", "layers.2.attn", "layers.2.ln2", "layers.2.mlp"]
     assert not remat.modules.wrap.is_wrapped(model.layers[2].attn)
@@ -72,11 +74,11 @@ def test_functional_between_children_stays_in_the_block():
         torch.manual_seed(3)
         x = torch.randn(4, 8, requires_grad=True)
         m(x).square().sum().backward()
-        return grads(m, x)
+        return param_grads(m, x)
 
     model = make()
     apply_span(model, ["0", "1", "2"], inner="split")
-    assert_equal(step(make()), step(model))
+    assert_all_equal(step(make()), step(model))
 
 
 def test_split_children_are_the_children_with_parameters_frozen_ones_included():

@@ -44,6 +44,7 @@ from tests.support.families import (
     ViewBlocks,
     ViT,
     class_loss,
+    dict_loss,
     relu_inplace_mlp,
     tcn,
     token_loss,
@@ -144,19 +145,15 @@ def test_channels_last_batchnorm_cnn_under_amp_meets_the_budget_bitwise(budget, 
     _amp(model, x, budget=budget, loss_fn=class_loss, caplog=caplog)
 
 
-def _dict_loss(out: dict[str, Any]) -> torch.Tensor:
-    return F.cross_entropy(out["logits"].float(), torch.arange(256) % 8)
-
-
 def test_a_model_returning_a_dict_under_amp_meets_the_budget_bitwise(caplog):
     # 60% is below the floor under the recipe (PlanError); 70% re-plans (see the xfail below)
     torch.manual_seed(0)
-    _amp(DictOut(), torch.randn(256, 32), budget="65%", loss_fn=_dict_loss, caplog=caplog)
+    _amp(DictOut(), torch.randn(256, 32), budget="65%", loss_fn=dict_loss, caplog=caplog)
 
 
 def test_a_model_that_keeps_its_hidden_states_under_amp_is_planned_right_first_time(caplog):
     torch.manual_seed(0)
-    _amp(DictOut(), torch.randn(256, 32), budget="70%", loss_fn=_dict_loss, caplog=caplog)
+    _amp(DictOut(), torch.randn(256, 32), budget="70%", loss_fn=dict_loss, caplog=caplog)
 
 
 @pytest.mark.parametrize("budget", ["55%", pytest.param("60%", marks=slow)])

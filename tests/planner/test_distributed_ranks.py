@@ -16,6 +16,7 @@ from remat.bench.models import build, example_input
 from remat.planner.apply import apply_decision
 from tests.support import ranks
 from tests.support.models import SMALL_GPT
+from tests.support.tensors import assert_dicts_equal
 
 pytestmark = pytest.mark.slow
 
@@ -44,26 +45,14 @@ def _batch(rank: int) -> torch.Tensor:
     return example_input(SMALL_GPT, seed=1 + rank)  # each rank its own batch
 
 
-def _train_grads(model: torch.nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
-    """One training step from a fixed RNG state; the full (gathered) gradients."""
-    torch.manual_seed(5)
-    model.zero_grad(set_to_none=True)
-    model(x).backward()
-    out = {}
-    for n, p in model.named_parameters():
-        g = p.grad
-        out[n] = (g.full_tensor() if hasattr(g, "full_tensor") else g).clone()
-    return out
-
-
 def _fsdp_auto(rank: int, raf: bool) -> dict:
     x = _batch(rank)
     model = _sharded(raf)
     opt = torch.optim.AdamW(model.parameters())
     p = remat.auto_checkpoint(model, x, budget="75%", optimizer=opt, quiet=True)
     measured = remat.measure_peak(model, x, optimizer=opt)
-    grads = _train_grads(model, x)
-    ref = _train_grads(_sharded(raf), x)
+    grads = ranks.full_grads(model, x, seed=5)
+    ref = ranks.full_grads(_sharded(raf), x, seed=5)
     return {"plan": p.to_json(), "measured": measured, "grads": grads, "ref": ref}
 
 
@@ -118,8 +107,8 @@ def scenario_plan_json_then_shard(rank: int) -> dict:
     for b in model.blocks:
         fully_shard(b)
     fully_shard(model)
-    grads = _train_grads(model, x)
-    return {"plan": text[0], "grads": grads, "ref": _train_grads(_sharded(True), x)}
+    grads = ranks.full_grads(model, x, seed=5)
+    return {"plan": text[0], "grads": grads, "ref": ranks.full_grads(_sharded(True), x, seed=5)}
 
 
 def _ddp(kwargs: dict) -> torch.nn.Module:
@@ -143,13 +132,13 @@ def scenario_ddp_auto(rank: int) -> dict:
         model = _ddp(kwargs)
         p = remat.auto_checkpoint(model, x, budget="75%", quiet=True)
         measured = remat.measure_peak(model, x)
-        grads = _train_grads(model, x)
+        grads = ranks.full_grads(model, x, seed=5)
         ref_model = _ddp(kwargs)
         if kwargs.get("static_graph"):  # the same number of steps before the compared one
-            _train_grads(ref_model, x)
-            _train_grads(model, x)
-            grads = _train_grads(model, x)
-        ref = _train_grads(ref_model, x)
+            ranks.full_grads(ref_model, x, seed=5)
+            ranks.full_grads(model, x, seed=5)
+            grads = ranks.full_grads(model, x, seed=5)
+        ref = ranks.full_grads(ref_model, x, seed=5)
         out[mode] = {"plan": p.to_json(), "measured": measured, "grads": grads, "ref": ref}
     return out
 
@@ -197,19 +186,13 @@ def _same_plan_within_budget(results: list[dict]) -> remat.Plan:
     return plans[0]
 
 
-def _grads_equal(res: dict) -> None:
-    assert res["grads"].keys() == res["ref"].keys()
-    for n, g in res["grads"].items():
-        assert torch.equal(g, res["ref"][n]), n
-
-
 @pytest.mark.parametrize("scenario", ["fsdp2_auto", "fsdp2_no_reshard_auto"])
 def test_fsdp2_ranks_apply_one_plan_within_budget_with_equal_grads(tmp_path, scenario):
     results = run_ranks(tmp_path, scenario)
     plan = _same_plan_within_budget(results)
     assert "recompute" in plan.decisions.values() or "selective" in plan.decisions.values()
     for res in results:
-        _grads_equal(res)
+        assert_dicts_equal(res["ref"], res["grads"])
 
 
 def test_fsdp2_predicted_peak_matches_each_ranks_measured_peak(tmp_path):
@@ -231,7 +214,7 @@ def test_plan_from_json_applied_before_fully_shard_gives_equal_grads(tmp_path):
     assert results[0]["plan"] == results[1]["plan"]
     assert "recompute" in results[0]["plan"] or "selective" in results[0]["plan"]
     for res in results:
-        _grads_equal(res)
+        assert_dicts_equal(res["ref"], res["grads"])
 
 
 def test_ddp_modes_ranks_apply_one_plan_within_budget_with_equal_grads(tmp_path):
@@ -240,7 +223,7 @@ def test_ddp_modes_ranks_apply_one_plan_within_budget_with_equal_grads(tmp_path)
         plan = _same_plan_within_budget([r[mode] for r in results])
         assert set(plan.decisions.values()) != {"keep"}, mode
         for r in results:
-            _grads_equal(r[mode])
+            assert_dicts_equal(r[mode]["ref"], r[mode]["grads"])
 
 
 def test_ranks_with_different_blocks_all_raise(tmp_path):

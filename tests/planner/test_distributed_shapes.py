@@ -34,17 +34,6 @@ def _tokens(rank: int, step: int, n: int) -> torch.Tensor:
     return torch.randint(0, SMALL_GPT.vocab, (SMALL_GPT.batch, n), generator=g)
 
 
-def _grads(model: torch.nn.Module, x: torch.Tensor, seed: int) -> dict[str, torch.Tensor]:
-    torch.manual_seed(seed)
-    model.zero_grad(set_to_none=True)
-    model(x).backward()
-    out = {}
-    for n, p in model.named_parameters():
-        g = p.grad
-        out[n] = (g.full_tensor() if hasattr(g, "full_tensor") else g).clone()
-    return out
-
-
 def _ddp() -> torch.nn.Module:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -69,14 +58,14 @@ def _varying(rank: int, make) -> dict:
     steps = []
     for step, lengths in enumerate(LENGTHS):
         x = _tokens(rank, step, lengths[rank])
-        grads = _grads(model, x, seed=step)
+        grads = ranks.full_grads(model, x, seed=step)
         assert plans.applied is not None
         steps.append(
             {
                 "decisions": {k: str(v) for k, v in plans.applied.decisions.items()},
                 "spans": plans.applied.spans,
                 "grads": grads,
-                "ref": _grads(reference, x, seed=step),
+                "ref": ranks.full_grads(reference, x, seed=step),
             }
         )
     return {"steps": steps, "planned": sorted(plans.plans)}

@@ -9,7 +9,7 @@ import torch
 
 import remat
 from remat.modules.blocks import default_blocks
-from tests.support.budgetcheck import check_default_plans
+from tests.support.budgetcheck import check_default_plans, mispredicted_mixes
 from tests.support.hf_models import FAMILIES, MORE_FAMILIES, llama
 
 pytest.importorskip("transformers", reason="needs the test extra: pip install -e '.[test]'")
@@ -52,25 +52,11 @@ def test_t5_plans_checkpointing_some_of_the_blocks_its_bias_reaches_are_predicte
     # T5's position bias (made by the first block of each stack, handed along the others)
     # is held by any checkpointed receiver, once: each block alone (the last decoder block
     # alone was predicted 4 % low) and random mixes, to the byte
-    from remat.planner.apply import apply_decision
-
     torch.manual_seed(0)
     model, batch = FAMILIES["t5"][0]()
     prof = remat.profile(model, timer="flops", **batch)
     assert prof.shared.inputs == {"1,2,3>3": 65536, "5,6,7>8": 49152}
-    n = len(prof.blocks)
-    gen = torch.Generator().manual_seed(0)
-    choices = ("keep", "recompute", "selective")
-    plans = [["keep"] * i + ["recompute"] + ["keep"] * (n - 1 - i) for i in range(n)]
-    plans += [[choices[int(c)] for c in torch.randint(0, 3, (n,), generator=gen)] for _ in range(8)]
-    wrong = []
-    for ds in plans:
-        for b, d in zip(prof.blocks, ds):
-            apply_decision(model.get_submodule(b.name), d)
-        measured = remat.measure_peak(model, **batch)
-        if prof.peak(ds).bytes != measured:
-            wrong.append((ds, prof.peak(ds).bytes - measured))
-    assert not wrong
+    assert not mispredicted_mixes(model, prof, 8, **batch)
 
 
 @pytest.mark.slow
@@ -79,21 +65,7 @@ def test_more_families_every_block_alone_and_random_mixes_are_predicted_exactly(
     # models none of the planner's code was written against: BART (the encoder's output in
     # every decoder layer), DeBERTa (relative embeddings passed to every layer), GPT-NeoX
     # (rotary tables); each block recomputed alone and random mixes, to the byte
-    from remat.planner.apply import apply_decision
-
     torch.manual_seed(0)
     model, batch = MORE_FAMILIES[family]()
     prof = remat.profile(model, timer="flops", **batch)
-    n = len(prof.blocks)
-    gen = torch.Generator().manual_seed(0)
-    choices = ("keep", "recompute", "selective")
-    plans = [["keep"] * i + ["recompute"] + ["keep"] * (n - 1 - i) for i in range(n)]
-    plans += [[choices[int(c)] for c in torch.randint(0, 3, (n,), generator=gen)] for _ in range(6)]
-    wrong = []
-    for ds in plans:
-        for b, d in zip(prof.blocks, ds):
-            apply_decision(model.get_submodule(b.name), d)
-        measured = remat.measure_peak(model, **batch)
-        if prof.peak(ds).bytes != measured:
-            wrong.append((ds, prof.peak(ds).bytes - measured))
-    assert not wrong
+    assert not mispredicted_mixes(model, prof, 6, **batch)

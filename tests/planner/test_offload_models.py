@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import remat
@@ -31,6 +30,7 @@ from tests.support.families import (
     UNet,
     ViT,
     class_loss,
+    dict_loss,
     token_loss,
     tokens,
 )
@@ -69,10 +69,6 @@ def _pad() -> torch.Tensor:
     return pad
 
 
-def _dict_loss(out: dict[str, Any]) -> torch.Tensor:
-    return F.cross_entropy(out["logits"], torch.arange(64) % 8)
-
-
 FAMILIES: dict[str, Callable[[], tuple[nn.Module, tuple[Any, ...], Any]]] = {
     "vit": lambda: (ViT(depth=3), (torch.randn(4, 3, 16, 16),), class_loss),
     "rotary": lambda: (RotaryLM(depth=3), (tokens(shape=(4, 16)), _pad()), token_loss),
@@ -92,7 +88,7 @@ FAMILIES: dict[str, Callable[[], tuple[nn.Module, tuple[Any, ...], Any]]] = {
         (torch.randn(64, 32, requires_grad=True),),
         None,
     ),
-    "dictout": lambda: (_first(DictOut(), "blocks", 3), (torch.randn(64, 32),), _dict_loss),
+    "dictout": lambda: (_first(DictOut(), "blocks", 3), (torch.randn(64, 32),), dict_loss),
     "unet": lambda: (UNet(), (torch.randn(2, 3, 16, 16),), None),
 }
 

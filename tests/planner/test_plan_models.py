@@ -14,6 +14,7 @@ from torch import nn
 import remat
 from remat.planner.apply import apply_decision
 from remat.planner.auto import step_peaks
+from tests.support.tensors import assert_dicts_equal
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -41,12 +42,6 @@ def _grads(model: nn.Module, *args: object, **kwargs: object) -> dict[str, torch
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _assert_equal_dicts(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-
-
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -59,7 +54,7 @@ def test_profile_leaves_batchnorm_running_stats_and_counter_as_they_were():
     before = _state(model)
     remat.profile(model, _cnn_input(), timer="flops", set_to_none=False)
     after = model.state_dict()
-    _assert_equal_dicts(before, after)  # running_mean, running_var, num_batches_tracked
+    assert_dicts_equal(before, after)  # running_mean, running_var, num_batches_tracked
     assert int(after["0.1.num_batches_tracked"]) == 0
 
 
@@ -67,7 +62,7 @@ def test_measure_peak_leaves_batchnorm_running_stats_as_they_were():
     model = _cnn()
     before = _state(model)
     remat.measure_peak(model, _cnn_input(), set_to_none=False)
-    _assert_equal_dicts(before, model.state_dict())
+    assert_dicts_equal(before, model.state_dict())
 
 
 def test_cnn_auto_checkpoint_gives_bitwise_equal_grads_and_one_stats_update():
@@ -75,9 +70,9 @@ def test_cnn_auto_checkpoint_gives_bitwise_equal_grads_and_one_stats_update():
     x = _cnn_input()
     p = remat.auto_checkpoint(model, x, budget="85%", timer="flops", set_to_none=False)
     assert "recompute" in p.decisions.values() or "selective" in p.decisions.values()
-    _assert_equal_dicts(_state(ref), _state(model))  # planning took no step of its own
-    _assert_equal_dicts(_grads(ref, x), _grads(model, x))
-    _assert_equal_dicts(_state(ref), _state(model))  # the real step updated the stats once
+    assert_dicts_equal(_state(ref), _state(model))  # planning took no step of its own
+    assert_dicts_equal(_grads(ref, x), _grads(model, x))
+    assert_dicts_equal(_state(ref), _state(model))  # the real step updated the stats once
     assert int(model.state_dict()["0.1.num_batches_tracked"]) == 1
 
 
@@ -127,7 +122,7 @@ def test_plan_on_keyword_tuple_blocks_keeps_gradients_bitwise():
     p = remat.plan(remat.profile(model, x, mask=mask, timer="flops", set_to_none=False), "85%")
     assert set(p.decisions.values()) != {"keep"}
     p.apply(model)
-    _assert_equal_dicts(_grads(ref, x, mask=mask), _grads(model, x, mask=mask))
+    assert_dicts_equal(_grads(ref, x, mask=mask), _grads(model, x, mask=mask))
 
 
 # ---------------------------------------------------------------- 3. tied, frozen, no-grad input
@@ -170,7 +165,7 @@ def test_tied_and_frozen_parameters_with_input_without_grad_keep_gradients_bitwi
     x = torch.randn(4, 8)  # requires no grad
     remat.auto_checkpoint(model, x, budget=budget, timer="flops", set_to_none=False)
     g, g_ref = _grads(model, x), _grads(ref, x)
-    _assert_equal_dicts(g_ref, g)
+    assert_dicts_equal(g_ref, g)
     assert "stem.weight" not in g and "blocks.0.lin.weight" in g  # frozen stays frozen
 
 
@@ -275,7 +270,7 @@ def test_check_fn_selecting_nested_blocks_plans_them_and_keeps_gradients_bitwise
     assert (
         remat.measure_peak(model, x, set_to_none=False) == p.predicted_peak_bytes <= p.budget_bytes
     )
-    _assert_equal_dicts(_grads(ref, x), _grads(model, x))
+    assert_dicts_equal(_grads(ref, x), _grads(model, x))
 
 
 @pytest.mark.parametrize(
@@ -301,7 +296,7 @@ def test_profile_rejects_blocks_that_do_not_run_exactly_once(forward_blocks, cou
     for timer in ("flops", "time"):
         with pytest.raises(ValueError, match=f"{count}.*check_fn="):
             remat.profile(model, torch.randn(4, 8), timer=timer, repeats=1, set_to_none=False)
-    _assert_equal_dicts(before, model.state_dict())
+    assert_dicts_equal(before, model.state_dict())
 
 
 # ---------------------------------------------------------------- 5. train/eval, no_grad
@@ -314,7 +309,7 @@ def test_dropout_model_in_train_mode_keeps_gradients_bitwise_and_mode():
     x = torch.randn(4, 8)
     remat.auto_checkpoint(model, x, budget="90%", timer="flops", set_to_none=False)
     assert model.training
-    _assert_equal_dicts(_grads(ref, x), _grads(model, x))
+    assert_dicts_equal(_grads(ref, x), _grads(model, x))
 
 
 def test_eval_mode_profile_stays_in_eval_and_drops_dropout_masks():
@@ -344,7 +339,7 @@ def test_planning_with_gradients_disabled_says_to_leave_no_grad(context, call):
     before = _state(model)
     with context(), pytest.raises(RuntimeError, match=r"no_grad\(\).*torch\.enable_grad\(\)"):
         call(model, x)
-    _assert_equal_dicts(before, model.state_dict())
+    assert_dicts_equal(before, model.state_dict())
 
 
 # ---------------------------------------------------------------- 6. budgets
@@ -422,7 +417,7 @@ def test_plan_json_round_trip_applies_to_a_fresh_instance_with_equal_gradients()
     ref = copy.deepcopy(fresh)
     loaded.apply(fresh)
     assert remat.measure_peak(fresh, x, set_to_none=False) == p.predicted_peak_bytes
-    _assert_equal_dicts(_grads(ref, x), _grads(fresh, x))
+    assert_dicts_equal(_grads(ref, x), _grads(fresh, x))
 
 
 def test_applying_a_plan_to_a_model_with_other_block_names_raises_and_changes_nothing():

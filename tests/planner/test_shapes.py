@@ -14,18 +14,12 @@ import remat
 from remat.modules.wrap import is_wrapped
 from remat.planner.shapes import ShapePlans
 from tests.support.models import GPT
+from tests.support.steps import step_grads
 from tests.support.vision_models import ResNet
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 LENGTHS = (8, 20, 33, 44, 52, 64)
-
-
-def _grads(model, x, seed=0):
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    model(x).sum().backward()
-    return [p.grad.clone() for p in model.parameters()]
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +62,7 @@ def test_unchecked_step_of_the_longest_batch_is_over_the_budget(planned):
 def test_gradients_bitwise_equal_unchecked_at_every_length(planned, n):
     model, reference, _, _ = planned
     x = torch.randn(2, n, 16, generator=torch.Generator().manual_seed(n))
-    for a, b in zip(_grads(model, x, seed=n), _grads(reference, x, seed=n)):
+    for a, b in zip(step_grads(model, (x,), {}, seed=n), step_grads(reference, (x,), {}, seed=n)):
         assert torch.equal(a, b)
 
 
@@ -109,8 +103,8 @@ def test_larger_batch_opt_in_runs_smallest_peak_plan_with_warning():
                                   shapes=remat.Shapes(larger="smallest"))  # fmt: skip
     x = torch.randn(2, 40, 16)
     with pytest.warns(UserWarning, match="larger than the largest planned size 32"):
-        got = _grads(model, x)
-    for a, b in zip(got, _grads(reference, x)):
+        got = step_grads(model, (x,), {})
+    for a, b in zip(got, step_grads(reference, (x,), {})):
         assert torch.equal(a, b)
     top = plans.fit.profiles[32]
     assert plans.plan_for.__self__ is plans
@@ -144,7 +138,7 @@ def test_sizes_where_the_fit_misses_are_profiled_when_they_come(caplog):
     assert plans.fit.knots == [32, 64, 96, 128]
     x = torch.randn(2, 3, 50, 50)  # bucket 64: measured; its own peak within the budget
     assert remat.measure_peak(model, x, optimizer=opt) <= plans.budget_bytes
-    for a, b in zip(_grads(model, x), _grads(reference, x)):
+    for a, b in zip(step_grads(model, (x,), {}), step_grads(reference, (x,), {})):
         assert torch.equal(a, b)
     plans.remove()
 

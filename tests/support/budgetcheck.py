@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 import remat
+from remat.planner.apply import apply_decision
 from remat.planner.stepmodel import allocator_peak
+from tests.support.steps import step_grads
 
 BUDGETS = (0.7, 0.5, 0.3)
 
@@ -18,22 +20,6 @@ BUDGETS = (0.7, 0.5, 0.3)
 class PredictionOff(AssertionError):
     """A plan's predicted peak is not the measured one (raised after every other check
     passed, so that a known inaccuracy can be marked alone)."""
-
-
-def loss_of(out: Any) -> torch.Tensor:
-    """The model's own loss (Hugging Face models given labels), else the output's sum: the
-    loss remat.profile takes by default."""
-    own = getattr(out, "loss", None)
-    return own if isinstance(own, torch.Tensor) else out.float().sum()
-
-
-def grads(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(0)
-    loss_of(model(*args, **kwargs)).backward()
-    got = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-    model.zero_grad(set_to_none=True)
-    return got
 
 
 def check_default_plans(
@@ -60,7 +46,7 @@ def check_default_plans(
     the scratch counted. ``scratch_apart``: the scratch where the every-block peak falls is
     less than the largest (located where it happens, #22), the case that lets a checkpoint
     meet more shares than its tensors do."""
-    ref = grads(copy.deepcopy(model), args, kwargs)
+    ref = step_grads(copy.deepcopy(model), args, kwargs)
     prof = remat.profile(model, *args, timer="flops", **kwargs)
     assert [b.name for b in prof.blocks] == blocks
     every = copy.deepcopy(model)
@@ -90,7 +76,7 @@ def check_default_plans(
         plan.apply(planned)
         measured = remat.measure_peak(planned, *args, **kwargs)
         assert measured + plan.scratch_bytes <= plan.budget_bytes, (share, measured, plan)
-        got = grads(planned, args, kwargs)
+        got = step_grads(planned, args, kwargs)
         assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref)), share
         out[share] = (plan.predicted_peak_bytes, measured)
     static, activations = prof.static_step_bytes, prof.unchecked_peak_bytes - prof.static_step_bytes
@@ -103,3 +89,24 @@ def check_default_plans(
     if off:
         raise PredictionOff(f"(predicted, measured) peaks differ: {off}")
     return out
+
+
+def mispredicted_mixes(
+    model: nn.Module, prof: remat.Profile, mixes: int, **batch: Any
+) -> list[tuple[list[str], int]]:
+    """Each block of ``prof`` recomputed alone, then ``mixes`` random mixes of ``keep``,
+    ``recompute`` and ``selective`` (seed 0), applied to ``model`` and measured: those whose
+    predicted peak is not the measured one, with by how much."""
+    n = len(prof.blocks)
+    gen = torch.Generator().manual_seed(0)
+    choices = ("keep", "recompute", "selective")
+    plans = [["keep"] * i + ["recompute"] + ["keep"] * (n - 1 - i) for i in range(n)]
+    plans += [[choices[int(c)] for c in torch.randint(0, 3, (n,), generator=gen)] for _ in range(mixes)]
+    wrong = []
+    for ds in plans:
+        for b, d in zip(prof.blocks, ds):
+            apply_decision(model.get_submodule(b.name), d)
+        measured = remat.measure_peak(model, **batch)
+        if prof.peak(ds).bytes != measured:
+            wrong.append((ds, prof.peak(ds).bytes - measured))
+    return wrong

@@ -6,6 +6,8 @@ import dataclasses
 
 import torch
 
+from tests.support.tensors import assert_all_equal
+
 
 @dataclasses.dataclass
 class Outcome:
@@ -22,26 +24,19 @@ class Outcome:
     repeated_args: bool = False  # a region got one tensor as two arguments
 
 
-def same_grads(a: list[torch.Tensor | None] | None, b: list[torch.Tensor | None] | None) -> bool:
-    """Bitwise equal, ``None`` where the other is ``None``."""
-    assert a is not None and b is not None
-    return all(
-        (u is None and v is None) or (u is not None and v is not None and torch.equal(u, v))
-        for u, v in zip(a, b)
-    )
-
-
 def assert_matches_reference(ref: Outcome, got: Outcome, what: str) -> None:
     """``got`` ran like the uncheckpointed ``ref``: output, gradients, RNG, second backward."""
     assert got.error is None, f"{what} raised where the uncheckpointed run did not: {got.error!r}"
     assert ref.out is not None and got.out is not None
     assert torch.equal(ref.out, got.out), f"{what}: outputs differ"
-    assert same_grads(ref.grads, got.grads), f"{what}: gradients differ"
+    assert ref.grads is not None and got.grads is not None
+    assert_all_equal(ref.grads, got.grads, f"{what}: gradients")
     assert ref.rng is not None and got.rng is not None
     assert torch.equal(ref.rng, got.rng), f"{what}: RNG state after backward differs"
     if got.grads_again is not None:
         want = ref.grads_again if ref.grads_again is not None else ref.grads
-        assert same_grads(want, got.grads_again), f"{what}: the other backward differs"
+        assert want is not None
+        assert_all_equal(want, got.grads_again, f"{what}: the other backward")
 
 
 def seeded_linear(g: torch.Generator, d: int) -> torch.nn.Linear:

@@ -14,6 +14,7 @@ from torch import nn
 import remat
 from remat.bench.models import ModelConfig
 from remat.modules.spans import apply_span
+from tests.support.steps import param_grads
 
 TINY_GPT = ModelConfig(layers=3, d_model=32, seq=16, batch=2, heads=2, vocab=64)  # dropout 0.1
 """The built-in GPT at three layers of width 32."""
@@ -133,11 +134,6 @@ class MLPChain(nn.Module):
         return x
 
 
-def grads(model: nn.Module, *inputs: torch.Tensor) -> list[torch.Tensor]:
-    out = [p.grad.clone() for p in model.parameters()]
-    return out + [x.grad.clone() for x in inputs if x.grad is not None]
-
-
 def gpt_step(model: nn.Module, seed: int = 0, batch: int = 2, t: int = 8, d: int = 16):
     """One forward and backward from a fixed RNG state: loss, gradients, RNG state after."""
     torch.manual_seed(seed)
@@ -145,13 +141,7 @@ def gpt_step(model: nn.Module, seed: int = 0, batch: int = 2, t: int = 8, d: int
     model.zero_grad(set_to_none=True)
     loss = model(x)
     loss.backward()
-    return [loss.detach(), *grads(model, x)], torch.get_rng_state()
-
-
-def assert_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
-    assert len(a) == len(b)
-    for i, (x, y) in enumerate(zip(a, b)):
-        assert torch.equal(x, y), f"tensor {i} differs (max abs {float((x - y).abs().max())})"
+    return [loss.detach(), *param_grads(model, x)], torch.get_rng_state()
 
 
 class ResMLP(nn.Module):

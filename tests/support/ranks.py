@@ -59,3 +59,16 @@ def run_ranks(
     for r, res in enumerate(results):
         assert "error" not in res, f"rank {r}:\n{res['error']}"
     return results
+
+
+def full_grads(model: torch.nn.Module, x: torch.Tensor, seed: int) -> dict[str, torch.Tensor]:
+    """One training step of a model returning its loss from RNG seed ``seed``; the copied
+    gradients by parameter name, whole (a sharded gradient gathered)."""
+    torch.manual_seed(seed)
+    model.zero_grad(set_to_none=True)
+    model(x).backward()
+    out = {}
+    for n, p in model.named_parameters():
+        g = p.grad
+        out[n] = (g.full_tensor() if hasattr(g, "full_tensor") else g).clone()
+    return out

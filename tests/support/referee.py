@@ -13,6 +13,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import remat
+from tests.support.steps import loss_of
 
 
 def referee(run):
@@ -65,15 +66,11 @@ def alive_bytes(model: nn.Module, opt: torch.optim.Optimizer, inputs: list[torch
     return sum(seen.values())
 
 
-def _sum_loss(out: torch.Tensor) -> torch.Tensor:
-    return out.float().sum()
-
-
 def check_auto(
     model: nn.Module,
     *args: Any,
     budget: str = "55%",
-    loss_fn: Callable[[Any], torch.Tensor] = _sum_loss,
+    loss_fn: Callable[[Any], torch.Tensor] = loss_of,
     set_to_none: bool = True,
     check_fn: Callable[[str, nn.Module], bool] | None = None,
     steps: int = 2,
