@@ -52,9 +52,10 @@ SHARES = ("50%", "30%")
 
 
 class Run:
-    """One strategy: its model, optimizer and step."""
+    """One strategy: its model, optimizer and step (``x``: the model's input, or its keyword
+    inputs as a dict)."""
 
-    def __init__(self, name: str, model: nn.Module, x: torch.Tensor) -> None:
+    def __init__(self, name: str, model: nn.Module, x: Any) -> None:
         self.name, self.model, self.x = name, model, x
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         self.times: list[float] = []
@@ -64,21 +65,52 @@ class Run:
 
     def step(self) -> None:
         self.opt.zero_grad(set_to_none=True)
-        loss = self.model(self.x)
+        loss = _loss(self.model, self.x)
         loss.backward()
         self.opt.step()
 
 
+def _loss(model: nn.Module, x: Any) -> torch.Tensor:
+    out = model(**x) if isinstance(x, dict) else model(x)
+    return out if torch.is_tensor(out) else out.loss
+
+
+def _args(x: Any) -> tuple[Any, ...]:
+    """``x`` as the positional arguments of remat's calls (keyword inputs as one Inputs)."""
+    return (remat.Inputs(**x),) if isinstance(x, dict) else (x,)
+
+
+def _blocks(model: nn.Module) -> nn.ModuleList:
+    """The repeated blocks: the bench GPT's ``blocks``, a Hugging Face Llama's layers."""
+    return model.blocks if hasattr(model, "blocks") else model.model.layers
+
+
+def llama() -> tuple[nn.Module, dict[str, Any]]:
+    """A Llama-shaped model (Hugging Face ``LlamaForCausalLM``, random weights): 6 layers,
+    hidden 256, 4 heads (2 key/value heads), MLP 688, vocabulary 512, batch 4 x 128 tokens."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    cfg = T.LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    ids = torch.randint(0, 512, (4, 128), generator=torch.Generator().manual_seed(1))
+    return T.LlamaForCausalLM(cfg), {"input_ids": ids, "labels": ids, "use_cache": False}
+
+
 def _compiled(base: nn.Module, budget: float) -> nn.Module:
     model = copy.deepcopy(base)
-    for block in model.blocks:
+    for block in _blocks(model):
         compile_block(block, budget)
     return model
 
 
 def _static(run: Run) -> int:
     """Bytes alive as a step starts: parameters, buffers, input, gradients, optimizer state."""
-    tensors = [*run.model.parameters(), *run.model.buffers(), run.x]
+    inputs = list(run.x.values()) if isinstance(run.x, dict) else [run.x]
+    tensors = [*run.model.parameters(), *run.model.buffers()]
+    tensors += [t for t in inputs if torch.is_tensor(t)]
     tensors += [p.grad for p in run.model.parameters() if p.grad is not None]
     for state in run.opt.state.values():
         tensors += [v for v in state.values() if torch.is_tensor(v)]
@@ -110,6 +142,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--quick", action="store_true", help="the quick bench size, 3 budgets")
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default 10; 5 quick)")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--model", choices=("gpt", "llama"), default="gpt",
+                    help="the bench GPT (default) or a Llama-shaped Hugging Face model")  # fmt: skip
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     #: quick: a deeper, narrower GPT whose activations outweigh its weights (30 % reachable)
@@ -117,19 +151,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = quick if args.quick else PRESETS["default"].config()
     rounds = args.rounds or (5 if args.quick else 10)
     sweep = (1.0, 0.5, 0.0) if args.quick else SWEEP
-    base, x = build(cfg), example_input(cfg)
+    if args.model == "llama":
+        base, x = llama()
+        described = "Llama-shaped: 6 layers, hidden 256, MLP 688, 4 heads (2 kv), batch 4 x 128"
+    else:
+        base, x = build(cfg), example_input(cfg)
+        described = dataclass_text(cfg)
     runs = [Run("eager", copy.deepcopy(base), x)]
     runs += [Run("compiled" if b == 1.0 else f"compile-{b}", _compiled(base, b), x) for b in sweep]
     start = time.perf_counter()
     profiled_model = copy.deepcopy(base)
-    prof = remat.profile(profiled_model, x, optimizer=torch.optim.AdamW(profiled_model.parameters()),
+    prof = remat.profile(profiled_model, *_args(x), optimizer=torch.optim.AdamW(profiled_model.parameters()),
                          compile=True, repeats=3)  # fmt: skip
     profile_s = time.perf_counter() - start
     for share in SHARES:
         model = copy.deepcopy(base)
         run = Run(f"remat-compiled-{share}", model, x)
         try:
-            run.plan = remat.auto_checkpoint(model, x, budget=share, optimizer=run.opt,
+            run.plan = remat.auto_checkpoint(model, *_args(x), budget=share, optimizer=run.opt,
                                              profile=prof, quiet=True)  # fmt: skip
         except remat.PlanError as e:
             print(f"{run.name}: {str(e).splitlines()[0]}")
@@ -137,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         runs.append(run)
         eager = Run(f"remat-eager-{share}", copy.deepcopy(base), x)
         try:
-            eager.plan = remat.auto_checkpoint(eager.model, x, budget=run.plan.budget_bytes,
+            eager.plan = remat.auto_checkpoint(eager.model, *_args(x), budget=run.plan.budget_bytes,
                                                optimizer=eager.opt, quiet=True)  # fmt: skip
             runs.append(eager)
         except remat.PlanError as e:
@@ -166,7 +205,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row["compile_same_bytes"] = min(within)[1] if within else None
     env = {
         "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
-        "threads": 1, "rounds": rounds, "model": dataclass_text(cfg), "profile_s": profile_s,
+        "threads": 1, "rounds": rounds, "model": described, "profile_s": profile_s,
     }  # fmt: skip
     print(f"{env}\n")
     print(f"{'strategy':24} {'peak MiB':>9} {'time x eager':>18}  plan / same bytes")
