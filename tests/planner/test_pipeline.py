@@ -132,3 +132,21 @@ def test_options_are_checked_before_any_step(options, error, match):
     with pytest.raises(error, match=match):
         remat.plan_pipeline_stage(module, torch.randn(4, 64), **{**kwargs, **options})
     assert not calls
+
+
+def test_a_stage_plans_spans_are_stored_as_spans_and_written_by_name():
+    from remat.modules.spans import span_of
+    from remat.planner.types import Decision, Span
+
+    ds = {"0": Decision.RECOMPUTE, "1": Decision.RECOMPUTE, "2": Decision.KEEP}
+    sp = StagePlan(0, 2, "1f1b", 4, 2, ds, [Span(0, 1)], 10, 9, "B1", 12, 0.1)
+    assert sp.spans == [["0", "1"]]
+    data = json.loads(sp.to_json())
+    assert data["spans"] == [["0", "1"]] and "block_spans" not in data
+    again = StagePlan.from_json(sp.to_json())
+    assert again == sp and again.block_spans == [Span(0, 1)]
+    with pytest.raises(remat.PlanError, match=r"spans name blocks \['9'\]"):
+        StagePlan.from_json(json.dumps({**data, "spans": [["0", "9"]]}))
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(3)])
+    sp.apply(model)
+    assert span_of(model[0]) is not None and span_of(model[2]) is None

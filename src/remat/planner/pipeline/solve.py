@@ -45,7 +45,8 @@ class StagePlan:
         schedule: ``"gpipe"`` or ``"1f1b"``.
         microbatches: per step; ``in_flight`` the most the stage holds at once.
         decisions: block name (the stage module's) -> decision.
-        spans: ``[first, last]`` block names of each span.
+        block_spans: the spans (:class:`~remat.planner.types.Span`: indices into
+            ``decisions``); :attr:`spans` renders them as block names, as the JSON has them.
         budget_bytes: the rank's budget.
         predicted_peak_bytes: the predicted peak of a step of the schedule on this rank,
             its optimizer step included.
@@ -62,13 +63,19 @@ class StagePlan:
     microbatches: int
     in_flight: int
     decisions: dict[str, Decision]
-    spans: list[list[str]]
+    block_spans: list[Span]
     budget_bytes: int
     predicted_peak_bytes: int
     peak_at: str
     unchecked_peak_bytes: int
     predicted_overhead_s: float
     cost_unit: str = "s"
+
+    @property
+    def spans(self) -> list[list[str]]:
+        """``[first, last]`` block names of each span (:attr:`block_spans`, rendered)."""
+        names = list(self.decisions)
+        return [[names[sp.first], names[sp.last]] for sp in self.block_spans]
 
     def apply(self, module: nn.Module) -> nn.Module:
         """Checkpoint the stage module's blocks in place as decided; returns the module."""
@@ -78,13 +85,16 @@ class StagePlan:
             predicted_overhead_s=self.predicted_overhead_s,
             unchecked_peak_bytes=self.unchecked_peak_bytes,
             budget_bytes=self.budget_bytes,
-            spans=[list(s) for s in self.spans],
+            block_spans=list(self.block_spans),
         )
         return apply_plan(plan, module)
 
     def to_json(self) -> str:
-        """Plain JSON."""
-        return json.dumps(dataclasses.asdict(self), indent=2)
+        """Plain JSON: the spans by their blocks' names, as stage plans always wrote them."""
+        data = dataclasses.asdict(self)
+        data = {k: (self.spans if k == "block_spans" else v) for k, v in data.items()}
+        return json.dumps({("spans" if k == "block_spans" else k): v for k, v in data.items()},
+                          indent=2)  # fmt: skip
 
     @classmethod
     def from_json(cls, text: str) -> StagePlan:
@@ -94,13 +104,22 @@ class StagePlan:
             PlanError: the JSON has fields this version does not know.
         """
         data = json.loads(text)
-        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+        known = {f.name for f in dataclasses.fields(cls)} - {"block_spans"} | {"spans"}
+        unknown = sorted(set(data) - known)
         if unknown:
             raise PlanError(
                 f"StagePlan.from_json: unknown fields {unknown}; the JSON was not written by "
                 "StagePlan.to_json of this remat version."
             )
         data["decisions"] = {n: Decision(d) for n, d in data["decisions"].items()}
+        index = {n: i for i, n in enumerate(data["decisions"])}
+        spans = data.pop("spans", [])
+        missing = sorted({n for sp in spans for n in sp if n not in index})
+        if missing:
+            raise PlanError(
+                f"StagePlan.from_json: spans name blocks {missing} that have no decision."
+            )
+        data["block_spans"] = [Span(index[a], index[z]) for a, z in spans]
         return cls(**data)
 
     def __str__(self) -> str:
@@ -237,7 +256,7 @@ def solve_stage(sp: StageProfile, budget: int, *, max_span: int = 16) -> StagePl
         microbatches=sp.sizes.microbatches,
         in_flight=in_flight(sp.schedule, sp.stage, sp.stages, sp.sizes.microbatches),
         decisions=dict(zip(names, ds)),
-        spans=[[names[s.first], names[s.last]] for s in spans],
+        block_spans=[Span(s.first, s.last) for s in spans],  # as the JSON has them
         budget_bytes=budget,
         predicted_peak_bytes=peak.bytes,
         peak_at=peak.at,
