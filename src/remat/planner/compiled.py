@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .probes import WindowProbe
+from .probes import WindowProbe, put_peak
 from .scratch import mark_window, parse_marks, quiet_native_stderr
 from .types import Decision, Timeline, Window, WindowKind
 
@@ -90,17 +90,7 @@ class AllocatorTimeline(WindowProbe):
         )  # fmt: skip
         ending, since = Window(WindowKind.PRE), -1
         for (t, window), grads in zip(marks, self.grads_at):
-            top, (kind, i) = peak(since, t), (ending.kind, ending.block)
-            if kind is WindowKind.PRE:
-                line.pre_peak = top
-            elif kind is WindowKind.FWD:
-                line.fwd_peak[i] = top
-            elif kind is WindowKind.TOP:
-                line.top_peak, line.top_grads = top, grads
-            elif kind is WindowKind.BWD:
-                line.bwd_peak[i], line.bwd_grads[i] = top, grads
-            elif kind is WindowKind.POST:
-                line.post_peak = top
+            put_peak(line, ending, peak(since, t), grads)
             if window.kind is WindowKind.FWD:
                 line.fwd_start[window.block] = alive(t)
             elif window.kind is WindowKind.TOP:

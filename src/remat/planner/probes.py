@@ -242,6 +242,22 @@ class WindowProbe:
             self.move(Window(WindowKind.POST))
 
 
+def put_peak(line: Timeline, window: Window, peak: int, grads: int) -> None:
+    """Record in ``line`` that ``window`` ended with ``peak`` bytes its most and ``grads``
+    bytes of gradients (for the windows whose end a timeline keeps them of)."""
+    kind, i = window.kind, window.block
+    if kind is WindowKind.PRE:
+        line.pre_peak = peak
+    elif kind is WindowKind.FWD:
+        line.fwd_peak[i] = peak
+    elif kind is WindowKind.TOP:
+        line.top_peak, line.top_grads = peak, grads
+    elif kind is WindowKind.BWD:
+        line.bwd_peak[i], line.bwd_grads[i] = peak, grads
+    elif kind is WindowKind.POST:
+        line.post_peak = peak
+
+
 class TimelineProbe(WindowProbe):
     """Reads a tracker at the boundaries of a step's contiguous windows into a
     :class:`~remat.planner.types.Timeline` (``line``).
@@ -287,17 +303,9 @@ class TimelineProbe(WindowProbe):
         ``window`` (the bytes at its start go to its terms)."""
         peak = self.tracker.close_window(self.window)
         line, (kind, i) = self.line, (self.current.kind, self.current.block)
-        grads = grad_bytes(self.params, self.counted)
-        if kind is WindowKind.PRE:
-            line.pre_peak = peak
-        elif kind is WindowKind.FWD:  # the window's part after the block returned was open
+        put_peak(line, self.current, peak, grad_bytes(self.params, self.counted))
+        if kind is WindowKind.FWD:  # the window's part after the block returned was open
             line.fwd_peak[i], line.fwd_tail[i] = max(peak, self.inner), peak
-        elif kind is WindowKind.TOP:
-            line.top_peak, line.top_grads = peak, grads
-        elif kind is WindowKind.BWD:
-            line.bwd_peak[i], line.bwd_grads[i] = peak, grads
-        elif kind is WindowKind.POST:
-            line.post_peak = peak
         self.window = self.tracker.open_window()
         start, j = self.window.start, window.block
         if window.kind is WindowKind.FWD:
