@@ -87,15 +87,15 @@ def _blocks(model: nn.Module) -> nn.ModuleList:
 
 def llama() -> tuple[nn.Module, dict[str, Any]]:
     """A Llama-shaped model (Hugging Face ``LlamaForCausalLM``, random weights): 6 layers,
-    hidden 256, 4 heads (2 key/value heads), MLP 688, vocabulary 512, batch 4 x 128 tokens."""
+    hidden 256, 4 heads (2 key/value heads), MLP 688, vocabulary 512, batch 4 x 512 tokens."""
     import transformers as T
 
     torch.manual_seed(0)
     cfg = T.LlamaConfig(
         vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
     )  # fmt: skip
-    ids = torch.randint(0, 512, (4, 128), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 512, (4, 512), generator=torch.Generator().manual_seed(1))
     return T.LlamaForCausalLM(cfg), {"input_ids": ids, "labels": ids, "use_cache": False}
 
 
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     sweep = (1.0, 0.5, 0.0) if args.quick else SWEEP
     if args.model == "llama":
         base, x = llama()
-        described = "Llama-shaped: 6 layers, hidden 256, MLP 688, 4 heads (2 kv), batch 4 x 128"
+        described = "Llama-shaped: 6 layers, hidden 256, MLP 688, 4 heads (2 kv), batch 4 x 512"
     else:
         base, x = build(cfg), example_input(cfg)
         described = dataclass_text(cfg)
