@@ -88,15 +88,17 @@ def loop_peaks(
     loop: Loop,
     steps: int,
     scratch_of: Sequence[str] | None = None,
+    device: torch.device | None = None,
 ) -> tuple[list[int], dict[Window, int] | None]:
     """:func:`step_peaks` of the training ``loop`` (its options checked), and with
     ``scratch_of`` (the blocks' names in call order) the scratch inside operators of each
     window of the last step, which then also runs under ``torch.profiler``
     (:func:`~.measure.plan_scratch`'s record; the optimizer's step apart): one real step
-    fewer than measuring it on its own. Without ``scratch_of`` the scratch is ``None``. With
+    fewer than measuring it on its own. Without ``scratch_of`` the scratch is ``None``.
+    ``device``: the model's, where the caller found it (and checked the inputs) already. With
     ``loop.compile`` each step's peak is the allocator's (:mod:`.compiled`), scratch inside
     kernels included, and no scratch is measured apart."""
-    step = Step(model, inputs, loop, where="remat.measure_peak")
+    step = Step(model, inputs, loop, where="remat.measure_peak", device=device)
     state, optimizer, counted = step.state, loop.optimizer, step.counted
     peaks: list[int] = []
     found: dict[Window, int] | None = None
@@ -200,11 +202,16 @@ def _peak(model: nn.Module, inputs: Inputs, loop: Loop) -> int:
 
 
 def _peak_and_scratch(
-    model: nn.Module, inputs: Inputs, loop: Loop, names: Sequence[str]
+    model: nn.Module,
+    inputs: Inputs,
+    loop: Loop,
+    names: Sequence[str],
+    device: torch.device | None = None,
 ) -> tuple[int, dict[Window, int] | None]:
     """:func:`measure_peak`'s two steps, the second also under the profiler: the peak and
-    the scratch inside operators of each window (blocks ``names`` in call order)."""
-    peaks, found = loop_peaks(model, inputs, loop, 2, scratch_of=names)
+    the scratch inside operators of each window (blocks ``names`` in call order; ``device``:
+    the model's, found by the caller)."""
+    peaks, found = loop_peaks(model, inputs, loop, 2, scratch_of=names, device=device)
     return max(peaks), found
 
 
@@ -444,6 +451,8 @@ def auto_checkpoint(
         diagnose=diagnose, shapes=shapes, device=device,
     )  # fmt: skip
     check_not_mixed(model, (args, kwargs), "remat.auto_checkpoint")
+    # the model's device: found once, passed to the steps that check the plan
+    model_device = device_of(model, (args, kwargs))
     if profile is not None and not isinstance(profile, Profile):
         raise TypeError(
             f"remat.auto_checkpoint: profile= must be a remat.Profile (from remat.profile), "
@@ -480,7 +489,7 @@ def auto_checkpoint(
     if device is not None and not meta:
         raise ValueError(
             f"remat.auto_checkpoint: device={device!r} is for a model on the meta device; this "
-            f"model's tensors are on {device_of(model, (args, kwargs))}: leave device out."
+            f"model's tensors are on {model_device}: leave device out."
         )
     if profile is None:
         source = ProfileSource(
@@ -524,7 +533,7 @@ def auto_checkpoint(
                 measured = _peak(model, inputs, loop)
             else:  # the second checked step also under the profiler, for the scratch
                 names = [b.name for b in prof.blocks]
-                measured, where = _peak_and_scratch(model, inputs, loop, names)
+                measured, where = _peak_and_scratch(model, inputs, loop, names, model_device)
                 prof = located(prof, where)
                 scratch_known = True
                 moved = budget_of(prof, budget) - target  # a share's scratch is now known

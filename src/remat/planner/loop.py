@@ -82,6 +82,8 @@ class Step:
         target: from shapes: the device the meta tensors stand for (``None``: measured on
             the model's device).
         where: the function named in the default loss's errors.
+        device: the model's device where the caller found it (and checked that the model
+            and inputs are on one device) already; ``None``: found and checked here.
 
     Attributes:
         device: the model's device; ``counted`` the device whose bytes are counted.
@@ -97,12 +99,15 @@ class Step:
         threads: int | None = None,
         target: torch.device | None = None,
         where: str = "remat.profile",
+        device: torch.device | None = None,
     ) -> None:
         self.model, self.loop, self.where = model, loop, where
         self.args, self.kwargs = inputs.args, inputs.kwargs
-        check_not_mixed(model, (self.args, self.kwargs), where)
+        if device is None:
+            check_not_mixed(model, (self.args, self.kwargs), where)
+            device = device_of(model, (self.args, self.kwargs))
         self.threads = threads
-        self.device = device_of(model, (self.args, self.kwargs))
+        self.device = device
         self.target = target
         # from shapes for CPU, everything counts (the optimizer's CPU step counters too)
         real = target if target is not None else self.device

@@ -271,6 +271,7 @@ def profile_loop(
         raise ValueError(f"remat.profile: repeats must be an int >= 1, got {repeats!r}.")
     check_step_options("remat.profile", loop.optimizer, loop.set_to_none)
     check_not_mixed(model, (args, kwargs), "remat.profile")
+    found = device_of(model, (args, kwargs))  # the model's device: found once, passed on
     if loop.compile:
         loop = _compiled_loop(model, (args, kwargs), loop)
     fake = fake_mode_of(model, (args, kwargs))
@@ -281,7 +282,7 @@ def profile_loop(
                 f"remat.profile: device={device!r} is for a model on the meta device; this "
                 "model's tensors are fake tensors of a device: leave device out."
             )
-        target: torch.device | None = device_of(model, (args, kwargs))
+        target: torch.device | None = found
     elif shaped:
         target = target_device(device, "remat.profile")
         check_no_autocast("remat.profile")
@@ -298,7 +299,7 @@ def profile_loop(
         raise ValueError(
             f"remat.profile: device={device!r} is for a model on the meta device (the device "
             "it will train on); this model's tensors are on "
-            f"{device_of(model, (args, kwargs))}: leave device out."
+            f"{found}: leave device out."
         )
     names = list(blocks) if blocks is not None else candidates(model, loop.check_fn)
     modules = {n: model.get_submodule(n) for n in names}
@@ -330,7 +331,7 @@ def profile_loop(
             mode = contextlib.nullcontext()
         with mode, shapes_only(target, "position_ids" not in inputs.kwargs):
             prof = _profile(model, inputs, loop, modules, chosen, repeats, threads, calibration,
-                            target)  # fmt: skip
+                            target, found)  # fmt: skip
     except (RuntimeError, NotImplementedError) as e:
         if not shaped:
             raise
@@ -374,9 +375,11 @@ def _profile(
     threads: int | None,
     calibration: str | None,
     target: torch.device | None,
+    device: torch.device | None = None,
 ) -> Profile:
-    """The steps of :func:`profile` and its record (``target``: from shapes, for it)."""
-    step = Step(model, inputs, loop, threads=threads, target=target)
+    """The steps of :func:`profile` and its record (``target``: from shapes, for it;
+    ``device``: the model's, found by the caller)."""
+    step = Step(model, inputs, loop, threads=threads, target=target, device=device)
     wrapping = snapshot_state(blocks)
     try:
         m = _measure(step, blocks, chosen, repeats, calibration)

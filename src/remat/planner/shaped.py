@@ -111,6 +111,13 @@ class ProfileSource:
         self.why = None if self.meta else no_shapes(model, loop.timer, agree, loop.compile)
         self._twin: tuple[nn.Module, torch.optim.Optimizer | None, FakeTensorMode | None] | None
         self._twin = None
+        self._found: torch.device | None = None  # the model's device, found once
+
+    def _device_of(self, args: Any) -> torch.device:
+        """The model's device (its inputs' ``args``), found at the first profile."""
+        if self._found is None:
+            self._found = device_of(self.model, args)
+        return self._found
 
     def _make_twin(
         self, optimizer: torch.optim.Optimizer | None
@@ -160,7 +167,7 @@ class ProfileSource:
                     model,
                     Inputs(*a, **k),
                     on_twin,
-                    device=device_of(self.model, (args, kwargs)),
+                    device=self._device_of((args, kwargs)),
                     blocks=self.blocks,
                 )
             except AutocastInForward:  # the model's forward casts: a fake twin, once
