@@ -73,7 +73,7 @@ def test_auto_checkpoint_that_measures_over_budget_replans_then_raises_and_resto
     def over_budget_with_scratch(*args: Any, **kwargs: Any) -> tuple[int, dict[str, int]]:
         return over_budget(), {}  # the first check of a plan from shapes also reads scratch
 
-    monkeypatch.setattr(auto, "measure_peak", over_budget)
+    monkeypatch.setattr(auto, "_peak", over_budget)
     monkeypatch.setattr(auto, "_peak_and_scratch", over_budget_with_scratch)
     with (
         caplog.at_level(logging.WARNING, logger="remat"),

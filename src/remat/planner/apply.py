@@ -35,7 +35,7 @@ def split_children(module: nn.Module) -> list[nn.Module]:
     return [module.get_submodule(n) for n in split_names(module)]
 
 
-def apply_decision(module: nn.Module, decision: str, compiled: bool = False) -> None:
+def apply_decision(module: nn.Module, decision: Decision | str, compiled: bool = False) -> None:
     """Make ``module`` run as ``decision`` (a :class:`~remat.planner.types.Decision`) says,
     in place; with ``compiled``, its forward compiled at the partitioner budget the decision
     means (:data:`~remat.planner.regional.LEVELS`)."""

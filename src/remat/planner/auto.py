@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, overload
@@ -193,12 +194,15 @@ def measure_peak(
     )
 
 
-def _peak(model: nn.Module, inputs: Inputs, loop: Loop) -> int:
-    """:func:`measure_peak` of the training ``loop`` (looked up when called: a test may
-    replace it)."""
-    return measure_peak(
-        model, inputs, optimizer=loop.optimizer, set_to_none=loop.set_to_none, loss_fn=loop.loss_fn
-    )
+def _peak(model: nn.Module, inputs: Inputs, loop: Loop, device: torch.device | None = None) -> int:
+    """:func:`measure_peak`'s steps of the training ``loop`` (the model, inputs and options
+    checked by the caller; ``device``: the model's, found by it), at the allocator where the
+    blocks are compiled. Looked up when called: a test may replace it."""
+    compiled = loop.compile or any(compiled_level(m) is not None for m in model.modules())
+    steps = 2 if loop.optimizer is not None else 1
+    peaks, _ = loop_peaks(model, inputs, dataclasses.replace(loop, compile=compiled), steps,
+                          device=device)  # fmt: skip
+    return max(peaks)
 
 
 def _peak_and_scratch(
@@ -530,7 +534,7 @@ def auto_checkpoint(
             chosen.apply(model)
             say(f"checking the plan in real steps (predicted {fmt_bytes(chosen.predicted_peak_bytes)})")
             if scratch_known:
-                measured = _peak(model, inputs, loop)
+                measured = _peak(model, inputs, loop, model_device)
             else:  # the second checked step also under the profiler, for the scratch
                 names = [b.name for b in prof.blocks]
                 measured, where = _peak_and_scratch(model, inputs, loop, names, model_device)
