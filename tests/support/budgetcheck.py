@@ -1,5 +1,5 @@
 """Plan a model with the default blocks at 70 %, 50 % and 30 % and check each plan against
-measured steps (tests/test_models_*.py)."""
+measured steps (tests/planner/test_*_models.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Small random Hugging Face transformers models built in code (nothing downloaded), with a
-batch that makes them return their loss, for tests/test_models_hf.py.
+batch that makes them return their loss, for tests/planner/test_hf_models.py and the other
+planner tests that use them.
 
 Decoders get ``use_cache=False``: a KV cache appended in forward would be appended again
 in recompute (remat refuses it, naming ``use_cache``).
