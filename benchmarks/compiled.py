@@ -44,8 +44,9 @@ from torch import nn
 import remat
 from remat.bench import stats
 from remat.bench.models import PRESETS, ModelConfig, build, example_input
-from remat.planner.compiled import allocator_peak, profiled
+from remat.planner.compiled import allocator_peak
 from remat.planner.regional import compile_block
+from remat.planner.scratch import profiled
 
 SWEEP = (1.0, 0.7, 0.5, 0.3, 0.1, 0.0)
 SHARES = ("50%", "30%")

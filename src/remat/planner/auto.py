@@ -24,16 +24,16 @@ from ..modules.modelinfo import (
 from . import advice
 from .apply import restore_state, snapshot_state
 from .checks import check_options
-from .compiled import allocator_peak, profiled
+from .compiled import allocator_peak
 from .distributed import active, agree_max, agree_min, agree_profile, agree_same
 from .inputs import Inputs, model_inputs
 from .loop import Loop, Step
 from .meta import check_not_mixed, is_meta
 from .probes import WindowMarks
 from .progress import Progress
-from .regional import compiled_level
+from .regional import compiled_level, refuse_process_group
 from .render import fmt_bytes
-from .scratch import mark_window, window_scratch
+from .scratch import mark_window, profiled, window_scratch
 from .shaped import ProfileSource
 from .shapes import ShapePlans, Shapes, shape_plans
 from .sharded import unsharded_storages
@@ -472,12 +472,7 @@ def auto_checkpoint(
     loop = Loop(optimizer, set_to_none, loss_fn, check_fn, timer, distributed, compile)
     agree = active(distributed)
     if agree and compile:
-        raise ValueError(
-            "remat.auto_checkpoint: compile=True under a process group is not planned yet: the "
-            "allocator's events of a step include the communication threads' buffers, which vary from step to step "
-            "(10 % on two FSDP2 ranks on CPU), so compiled plans are not predicted to the byte "
-            "there. Plan one rank's compiled blocks without the group, or plan eager."
-        )
+        refuse_process_group("remat.auto_checkpoint")
     inputs = Inputs(*args, **kwargs)
     if shapes is not None:
         if diagnose:

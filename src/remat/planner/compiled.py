@@ -3,7 +3,7 @@
 A compiled kernel allocates its buffers without going through the dispatcher, and
 ``torch.compile`` runs its frames eagerly while a dispatch mode is active, so the tracker of
 :mod:`remat.memory` cannot see a compiled step. Its bytes are read from the allocator's
-events instead (``torch.profiler`` with ``profile_memory=True``) at the window boundaries
+events instead (``torch.profiler`` with ``profile_memory=True``: :func:`~.scratch.profiled`) at the window boundaries
 the block hooks mark (:class:`AllocatorTimeline`): the same
 :class:`~remat.planner.types.Timeline` the tracker gives (equal to it on an eager step but
 for the scratch inside operators, which the allocator's peaks include: a compiled profile
@@ -18,15 +18,15 @@ terms (compiled plans refuse autocast).
 from __future__ import annotations
 
 import bisect
+import itertools
 import statistics
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .probes import WindowProbe, put_peak
-from .scratch import mark_window, parse_marks, quiet_native_stderr
+from .scratch import mark_window, parse_marks
 from .types import Decision, Timeline, Window, WindowKind
 
 
@@ -72,9 +72,7 @@ class AllocatorTimeline(WindowProbe):
                 f"({len(marks)} marks, {len(self.windows)} windows)."
             )
         times = [t for t, _ in allocs]
-        running = [0]  # bytes alive after each allocator event
-        for _, b in allocs:
-            running.append(running[-1] + b)
+        running = _running(allocs)
 
         def alive(t: int) -> int:
             return running[bisect.bisect_right(times, t)]
@@ -103,41 +101,16 @@ class AllocatorTimeline(WindowProbe):
         return line
 
 
-def profiled(run: Callable[[], None]) -> list[Any]:
-    """Run ``run()`` once under ``torch.profiler`` with the allocator's events; its events.
-
-    Raises:
-        RuntimeError: a profiler is already running (one cannot run inside another).
-    """
-    if torch.autograd._profiler_enabled():
-        raise RuntimeError(
-            "remat: compiled blocks are measured under torch.profiler, and a profiler is "
-            "already running: plan outside it."
-        )
-    from torch.profiler import ProfilerActivity, profile
-
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with quiet_native_stderr(), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*Profiler clears events", category=UserWarning)
-        prof.__enter__()
-    try:
-        run()
-    finally:
-        with quiet_native_stderr():
-            prof.__exit__(None, None, None)
-    results = None if prof.profiler is None else prof.profiler.kineto_results
-    return [] if results is None else list(results.events())
-
-
 def allocator_peak(events: list[Any], device: torch.device) -> int:
     """The most bytes the allocator of ``device`` held at once in ``events``, counted from
     their start."""
     allocs, _ = parse_marks(events, device)
-    cur = top = 0
-    for _, b in allocs:
-        cur += b
-        top = max(top, cur)
-    return top
+    return max(_running(allocs))
+
+
+def _running(allocs: list[tuple[int, int]]) -> list[int]:
+    """The bytes alive before the first of ``allocs`` (0) and after each."""
+    return list(itertools.accumulate((b for _, b in allocs), initial=0))
 
 
 def whole_step_costs(

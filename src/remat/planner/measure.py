@@ -53,7 +53,7 @@ from .amp import outside
 from .apply import apply_decision, restore_state, snapshot_state
 from .calibration import make_clock
 from .checks import TIMERS, check_options
-from .compiled import AllocatorTimeline, profiled, whole_step_costs
+from .compiled import AllocatorTimeline, whole_step_costs
 from .distributed import active, agree_profile, agree_same
 from .fake import fake_mode_of, fake_steps
 from .inputs import Inputs, model_inputs
@@ -75,8 +75,8 @@ from .probes import (
     offload_inputs,
 )
 from .progress import bar
-from .regional import LEVELS, check_compiled_decisions
-from .scratch import window_scratch
+from .regional import LEVELS, check_compiled_decisions, refuse_process_group
+from .scratch import profiled, window_scratch
 from .sharded import is_ddp, reshard, unsharded_storages
 from .solve import Profile
 from .state import (
@@ -314,12 +314,7 @@ def profile_loop(
         chosen = _decisions(model, args, kwargs, modules, decisions, shaped)
     agree = active(loop.distributed)
     if agree and loop.compile:
-        raise ValueError(
-            "remat.profile: compile=True under a process group is not planned yet: the "
-            "allocator's events of a step include the communication threads' buffers, which vary from step to step "
-            "(10 % on two FSDP2 ranks on CPU), so compiled plans are not predicted to the byte "
-            "there. Plan one rank's compiled blocks without the group, or plan eager."
-        )
+        refuse_process_group("remat.profile")
     if agree:  # before any step: ranks that would run different steps would hang
         agree_same((names, [str(d) for d in chosen], repeats, timer), "the blocks, decisions and steps")
     try:

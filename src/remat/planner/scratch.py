@@ -125,6 +125,26 @@ def window_scratch(run: Callable[[], None], device: torch.device) -> dict[Window
         )
         run()
         return None
+
+    def marked() -> None:
+        with _MarkOperators():
+            run()
+
+    return scratch_by_window(profiled(marked), device)
+
+
+def profiled(run: Callable[[], None]) -> list[Any]:
+    """Run ``run()`` once under ``torch.profiler`` with the allocator's events; its events
+    (none where the profiler collected nothing).
+
+    Raises:
+        RuntimeError: a profiler is already running (one cannot run inside another).
+    """
+    if torch.autograd._profiler_enabled():
+        raise RuntimeError(
+            "remat: this step is measured under torch.profiler, and a profiler is already "
+            "running: plan (or measure) outside the running profiler."
+        )
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
@@ -134,15 +154,12 @@ def window_scratch(run: Callable[[], None], device: torch.device) -> dict[Window
         warnings.filterwarnings("ignore", message=".*Profiler clears events", category=UserWarning)
         prof.__enter__()
     try:
-        with _MarkOperators():
-            run()
+        run()
     finally:
         with quiet_native_stderr():
             prof.__exit__(None, None, None)
     results = None if prof.profiler is None else prof.profiler.kineto_results
-    if results is None:  # the profiler collected nothing (not expected)
-        return {}
-    return scratch_by_window(list(results.events()), device)
+    return [] if results is None else list(results.events())
 
 
 def parse_marks(

@@ -220,19 +220,18 @@ class ProfileSource:
         target = within(prof)
         cut = _cut_bytes(args, largest)
         fit = ShapeFit({n: profiles[n] for n in first})
-        fitting = [
-            i
-            for i, (_, b) in enumerate(pairs)
-            if (p := fit.at(b)).unchecked_peak_bytes + p.scratch.bytes + cut <= target
-        ]
+
+        def held(n: int) -> int:  # the unchecked step at batch n, the whole batch beside it
+            at = fit.at(n)
+            return at.unchecked_peak_bytes + at.scratch.bytes + cut
+
+        fitting = [i for i, (_, b) in enumerate(pairs) if held(b) <= target]
         best = fitting[-1] if fitting else 0
         if not fitting:
-            held = fit.at(first[1])
             self.say(
-                f"the unchecked step at batch {first[1]} held up to "
-                f"{fmt_bytes(held.unchecked_peak_bytes + held.scratch.bytes + cut)} with the "
-                f"whole batch's inputs, above the budget {fmt_bytes(target)}: no smaller "
-                "batch is cut"
+                f"the unchecked step at batch {first[1]} held up to {fmt_bytes(held(first[1]))} "
+                f"with the whole batch's inputs, above the budget {fmt_bytes(target)}: no "
+                "smaller batch is cut"
             )
         if self.agree:  # the ranks' fits may differ by their inputs: the smallest pair of all
             (best,) = agree_min([best])
