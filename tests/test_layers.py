@@ -92,6 +92,7 @@ PLANNER_LAYERS = [
     "calibration",
     "timing",
     "probes",
+    "grouped",
     "compiled",
     "measure",
     "shapefit",

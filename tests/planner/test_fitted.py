@@ -105,11 +105,13 @@ def test_a_batch_of_four_to_seven_is_fitted_from_batches_of_two_and_three(capsys
     assert "profiling real steps at batches 2, 3 and fitting batch 6" in err
 
 
-def test_a_batch_too_small_to_cut_is_profiled_at_the_whole_batch_and_says_so(capsys):
+def test_a_batch_too_small_to_cut_is_profiled_from_pair_steps_and_says_so(capsys):
+    # at the whole batch, never its unchecked step (tests/planner/test_paired.py)
     model, x = _routed()
     remat.auto_checkpoint(model, x[:3].detach(), budget="100%", timer="flops")
     err = capsys.readouterr().err
-    assert "profiling real steps, the unchecked step among them" in err
+    assert "profiling real steps, two blocks kept at a time (never the unchecked step)" in err
+    assert "the unchecked step among them" not in err
 
 
 @pytest.mark.parametrize("batch", [4, 5, 7])

@@ -69,12 +69,12 @@ def test_device_is_refused_for_a_model_on_a_real_device():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["fp32", "amp", "measured"])
+@pytest.mark.parametrize("recipe", ["fp32", "amp", "measured", "small-batch"])
 def test_a_model_whose_unchecked_step_exceeds_the_address_space_limit_is_planned_and_trains(
     recipe,
 ):
     env = {**os.environ, "MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "65536"}
-    flags = {"fp32": [], "amp": ["--amp"], "measured": ["--measured"]}[recipe]
+    flags = {"fp32": [], "amp": ["--amp"], "measured": ["--measured"], "small-batch": ["--small-batch"]}[recipe]
     out = subprocess.run(
         [sys.executable, str(SCRIPT), *flags], env=env, capture_output=True, text=True,
         timeout=600,

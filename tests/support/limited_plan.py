@@ -8,6 +8,9 @@ With ``--amp``: the loop of torch's mixed-precision recipe (forward and loss in 
 bfloat16 autocast region, planned inside it; the unchecked peak from a fake twin). With
 ``--measured``: ``timer="measured"``, which shapes alone cannot serve, so the profile is
 fitted from real steps at a quarter and a half of the batch (8 sequences of 256 tokens).
+With ``--small-batch``: ``timer="measured"`` at a batch of 2 (of 512 tokens), too small to
+fit from smaller batches: the profile's lines are assembled from pair steps
+(:mod:`remat.planner.grouped`), and the plan is for 70 %, which the pair steps fit under.
 """
 
 from __future__ import annotations
@@ -42,10 +45,12 @@ def vm_size() -> int:
 def main() -> None:
     torch.set_num_threads(1)
     amp = "--amp" in sys.argv[1:]
-    measured = "--measured" in sys.argv[1:]
+    small = "--small-batch" in sys.argv[1:]
+    measured = "--measured" in sys.argv[1:] or small
     timer = "measured" if measured else "flops"
-    batch, seq = (8, 256) if measured else (4, 512)
-    cfg = ModelConfig(layers=6, d_model=128, seq=seq, batch=batch, heads=4, vocab=256)
+    batch, seq = (2, 512) if small else (8, 256) if measured else (4, 512)
+    layers = 6
+    cfg = ModelConfig(layers=layers, d_model=128, seq=seq, batch=batch, heads=4, vocab=256)
 
     def region() -> contextlib.AbstractContextManager[object]:
         return torch.autocast("cpu", dtype=torch.bfloat16) if amp else contextlib.nullcontext()
@@ -84,8 +89,8 @@ def main() -> None:
     for p in model.parameters():
         p.grad = None
     with region():
-        plan = remat.auto_checkpoint(model, x, budget="50%", optimizer=opt, timer=timer,
-                                     quiet=True)  # fmt: skip
+        plan = remat.auto_checkpoint(model, x, budget="70%" if small else "50%", optimizer=opt,
+                                     timer=timer, quiet=True)  # fmt: skip
     out["predicted"] = plan.predicted_peak_bytes
     out["budget"] = plan.budget_bytes
     for _ in range(STEPS):

@@ -25,7 +25,9 @@ Data flows one way, each module importing only those before it::
 * :mod:`.apply`: decisions and spans put on modules.
 * :mod:`.probes`: the recording hooks (named classes) the profile's steps run with;
   :mod:`.measure`: :func:`profile`, a short pipeline of those steps that records raw
-  :class:`~.types.Measurements`, from which :func:`.stepmodel.profile_data` reads the profile.
+  :class:`~.types.Measurements`, from which :func:`.stepmodel.profile_data` reads the profile;
+  :mod:`.grouped`: a decision's uniform line assembled from pair steps (two blocks under it
+  at a time), where no step may hold every block kept.
 * :mod:`.shapefit`: the step model as a function of a varying size (profiles at a few
   sizes, every byte term fitted exactly, checked between them); :mod:`.shapes`:
   :class:`Shapes` (``auto_checkpoint(shapes=...)``) and :class:`ShapePlans`, the plan for

@@ -347,8 +347,10 @@ def auto_checkpoint(
     halvings of the batch (up to a quarter and a half) whose unchecked steps that first fit
     predicts within the budget, which the fit is made from. So no profiling step holds more
     than the budget unless the smallest pair's unchecked step already does (a low budget and
-    a batch under about 16: the numbers are said). A batch under 4 is profiled as
-    :func:`remat.profile` does, which runs the unchecked step.
+    a batch under about 16: the numbers are said). A batch under 4 is profiled at the whole
+    batch from pair steps (:mod:`remat.planner.grouped`: two blocks under each decision at a
+    time, the others recomputed), never the unchecked step, unless the model hands one
+    tensor to several blocks (then as :func:`remat.profile` does, which runs it; said).
     A model on the meta device is planned and the plan applied, with no real step.
     Each stage is said on standard error unless ``quiet``.
 

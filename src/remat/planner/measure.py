@@ -11,7 +11,10 @@ A few instrumented training steps of the default loop (see
 3. one step under ``torch.profiler`` for the scratch inside operators, per window of the
    step (:mod:`remat.planner.scratch`, :class:`~.probes.WindowMarks`);
 4. per decision one memory step, every candidate block under that decision, whose bytes
-   are read at the boundaries of contiguous windows (:class:`~.probes.TimelineProbe`);
+   are read at the boundaries of contiguous windows (:class:`~.probes.TimelineProbe`)
+   (``paired``: the lines of ``keep``, ``selective`` and ``split`` assembled from steps
+   holding two blocks under the decision at a time, :mod:`.grouped`, with no scratch step
+   and the warm-up recomputing every block);
    gradients start as ``None`` (or kept, with ``set_to_none=False``), as in the user's
    step; with ``timer="measured"`` then ``repeats`` timed steps (not tracked: the
    tracker's per-op work would inflate the time); with ``timer="time"`` (the default) and
@@ -56,6 +59,7 @@ from .checks import TIMERS, check_options
 from .compiled import AllocatorTimeline, whole_step_costs
 from .distributed import active, agree_profile, agree_same
 from .fake import fake_mode_of, fake_steps
+from .grouped import PAIRED, NotPaired, PairStep, assemble, pair_patterns, step_of
 from .inputs import Inputs, model_inputs
 from .loop import Loop, Step
 from .meta import (
@@ -255,11 +259,14 @@ def profile_loop(
     device: str | torch.device | None = None,
     calibration: str | None = None,
     blocks: Sequence[str] | None = None,
+    paired: bool = False,
 ) -> Profile:
     """:func:`profile` of ``model`` (an ``nn.Module``: its caller checked) at ``inputs`` for
     the training ``loop`` (the other arguments as :func:`profile` takes them); ``blocks``: the
     candidate blocks' names where the caller found them already (they are looked up once a
-    model: :class:`~remat.planner.shaped.ProfileSource`), else found here."""
+    model: :class:`~remat.planner.shaped.ProfileSource`), else found here. ``paired`` (a
+    real model): no step holds every block kept (:mod:`.grouped`), and no scratch is
+    measured (the profile counts none: ``from_shapes``, measured under the plan)."""
     args, kwargs = inputs.args, inputs.kwargs
     timer = loop.timer
     check_grad_enabled("remat.profile")
@@ -326,7 +333,7 @@ def profile_loop(
             mode = contextlib.nullcontext()
         with mode, shapes_only(target, "position_ids" not in inputs.kwargs):
             prof = _profile(model, inputs, loop, modules, chosen, repeats, threads, calibration,
-                            target, found)  # fmt: skip
+                            target, found, paired and not shaped)  # fmt: skip
     except (RuntimeError, NotImplementedError) as e:
         if not shaped:
             raise
@@ -371,13 +378,14 @@ def _profile(
     calibration: str | None,
     target: torch.device | None,
     device: torch.device | None = None,
+    paired: bool = False,
 ) -> Profile:
     """The steps of :func:`profile` and its record (``target``: from shapes, for it;
-    ``device``: the model's, found by the caller)."""
+    ``device``: the model's, found by the caller; ``paired``: see :func:`profile_loop`)."""
     step = Step(model, inputs, loop, threads=threads, target=target, device=device)
     wrapping = snapshot_state(blocks)
     try:
-        m = _measure(step, blocks, chosen, repeats, calibration)
+        m = _measure(step, blocks, chosen, repeats, calibration, paired)
     finally:
         restore_state(blocks, wrapping)
         step.state.restore()
@@ -385,6 +393,8 @@ def _profile(
     # the static bytes as a step starts: FSDP2's parameters sharded again (without
     # reshard_after_forward the steps leave them gathered)
     m.static_bytes = static_bytes(model, (step.args, step.kwargs), step.counted)
+    if paired:
+        m.from_shapes = True  # no scratch measured: under the plan, as for one from shapes
     return profile_data(m, Profile)
 
 
@@ -455,13 +465,20 @@ def _measure(
     decisions: list[Decision],
     repeats: int,
     calibration: str | None = None,
+    paired: bool = False,
 ) -> Measurements:
     """Steps 1-5 of the module docstring: their raw record, counted on a progress bar
     (:func:`~remat.planner.progress.bar`: the warm-up, the probes, the scratch step, one
-    step per decision, the costs)."""
-    total = 3 + len(decisions) + (1 if step.target is None else 0)
+    step per decision, the costs). ``paired``: the lines of the decisions that hold
+    activations from pair steps (:mod:`.grouped`; no scratch step, no step with every block
+    kept)."""
+    n = len(blocks)
+    steps = len(decisions)
+    if paired and n >= 2:
+        steps += sum(n - 2 for d in decisions if d in PAIRED)
+    total = 3 + steps + (1 if step.target is None and not paired else 0)
     with bar(total, "profiling") as ticks:
-        return _measure_steps(step, blocks, decisions, repeats, calibration, ticks.update)
+        return _measure_steps(step, blocks, decisions, repeats, calibration, ticks.update, paired)
 
 
 def _measure_steps(
@@ -471,6 +488,7 @@ def _measure_steps(
     repeats: int,
     calibration: str | None,
     tick: Callable[[], object],
+    paired: bool = False,
 ) -> Measurements:
     """:func:`_measure`'s steps; ``tick()`` after each."""
     model, names, modules = step.model, list(blocks), list(blocks.values())
@@ -478,6 +496,10 @@ def _measure_steps(
     compiled = step.loop.compile  # the allocator's bytes: no scratch step of its own
     n = len(names)
     calls = CallCount(names)
+    if paired:  # the model's own wrapping may be the unchecked step: every block recomputed
+        changing = _mutating(step, modules, names)  # but those that change their input in place
+        for nm, mod in zip(names, modules):
+            apply_decision(mod, KEEP if nm in changing else RECOMPUTE)
     with BlockHooks(modules, calls):
         step()  # warm-up; with set_to_none=False its gradients stay for every later step
     tick()
@@ -500,12 +522,12 @@ def _measure_steps(
     # backward window, never low); unwrapping them there would change the steps a
     # simulated device's copy timing depends on.
     for nm, state in snapshot_state(blocks).items():
-        if not probed and any(st for _, st in state):
+        if not probed and not paired and any(st for _, st in state):
             apply_decision(blocks[nm], KEEP)
     # From shapes no scratch is seen (Profile.from_shapes), and no step is run for it: the
     # warm-up's gradients are those the scratch step would leave (the same bytes).
     scratch: dict[Window, int] | None = {} if compiled else None
-    if step.target is None and not compiled:
+    if step.target is None and not compiled and not paired:
         step.clear_grads()
         with BlockHooks(modules, WindowMarks(n)):
             scratch = window_scratch(step, step.device)
@@ -524,7 +546,53 @@ def _measure_steps(
     shared, keep_cost = 0, 0.0
     clock = make_clock(step.device, step.threads) if timer == "measured" else None
     line_times: dict[Decision, list[float]] = {}  # each timed step's time, per decision
-    for d in decisions:
+    fixed = {i: KEEP for i, nm in enumerate(names) if nm in calls.mutating}
+    # from pair steps: the lines of the decisions that hold activations, once recompute's
+    # (their step times are read against its) is measured
+    paired_lines = [d for d in decisions if paired and n >= 2 and d in PAIRED]
+    for d in [*(d for d in decisions if d not in paired_lines), *paired_lines]:
+        if d in paired_lines:
+            pairs: list[PairStep] = []
+            pair_frees: list[InputFrees] = []
+            pair_times: list[tuple[dict[str, float], dict[str, float]]] = []
+            for pattern in pair_patterns(n, d, fixed):
+                for nm, mod, p in zip(names, modules, pattern):
+                    apply_decision(mod, RECOMPUTE if p is SPLIT and nm not in splittable else p)
+                step.clear_grads()
+                line, found = _memory_step(step, modules, storages, True)
+                assert found is not None
+                if found.handed_on():  # held by the recomputed blocks: not as uniform
+                    raise NotPaired(
+                        "a tensor is handed to several blocks (a mask or a position table "
+                        "each layer receives, a bias each returns again, a view one returns), "
+                        "which the recomputed blocks of a pair step hold into backward"
+                    )
+                pairs.append(PairStep(line, found.held_to_end))
+                pair_frees.append(found)
+                if d is KEEP and optimizer is not None and len(pairs) == 1:
+                    opt_terms = _optimizer_terms(step.state, optimizer, step.counted)
+                if clock is not None:
+                    step.clear_grads()
+                    pair_times.append(
+                        time_blocks(blocks, step.timed, step.device, repeats, clock, step.threads)
+                    )
+                tick()
+            lines[d] = assemble(pairs)
+            head_freed[d] = pair_frees[-1].freed[-1]
+            if d in HELD_LINES:
+                held[d] = [pairs[step_of(i)].held_to_end[i] for i in range(n)]
+            if d is KEEP:  # block i's output as block i + 1 runs: the step of the two
+                freed = [pair_frees[i].freed[i] for i in range(n - 1)] + [pair_frees[-1].freed[-1]]
+                shared = max(f.shared for f in pair_frees)
+                for f in pair_frees:
+                    shared_inputs.update(f.shared_inputs)
+            if clock is not None:
+                times[d] = {nm: pair_times[step_of(i)][0][nm] for i, nm in enumerate(names)}
+                noise[d] = {nm: pair_times[step_of(i)][1][nm] for i, nm in enumerate(names)}
+                if d is KEEP:  # recompute's step less what recomputing costs its blocks
+                    rec = sorted(line_times[RECOMPUTE])[len(line_times[RECOMPUTE]) // 2]
+                    keep_cost = rec - sum(times[RECOMPUTE][nm] - times[KEEP][nm] for nm in names)
+            continue
         for nm, mod in blocks.items():  # a block that cannot split is recomputed meanwhile
             if nm in calls.mutating:
                 apply_decision(mod, KEEP, compiled)
@@ -563,6 +631,7 @@ def _measure_steps(
                 keep_cost = float(sorted(step.costs)[len(step.costs) // 2])
             line_times[d] = list(step.costs)
         tick()
+    lines = {d: lines[d] for d in decisions}  # in the decisions' order, however measured
     if compiled and clock is not None:
         times, noise = whole_step_costs(times, line_times)
     if timer == "time":
@@ -621,6 +690,20 @@ def _measure_steps(
         scratch=scratch,
         compiled=compiled,
     )
+
+
+def _mutating(step: Step, modules: list[nn.Module], names: list[str]) -> set[str]:
+    """The blocks that change one of their input tensors in place (:class:`CallCount`), seen
+    in one forward without gradients (none where that forward fails)."""
+    calls = CallCount(names)
+    try:
+        with BlockHooks(modules, calls), torch.no_grad():
+            step.state.reset_rng()
+            out = step.model(*step.args, **step.kwargs)
+            del out
+    except Exception:  # a model that needs gradients in forward
+        return set()
+    return calls.mutating
 
 
 def _offloaded(names: list[str], lines: dict[Decision, Timeline]) -> dict[str, int]:

@@ -563,6 +563,12 @@ class InputFrees:
         self._deaths(last + 1)
         self.shared_inputs = self._shared_inputs()
 
+    def handed_on(self) -> bool:
+        """Whether a storage was handed to two or more blocks (as an argument to several,
+        or returned again by the block that received it, or a view of it)."""
+        entries = [*self.tracked.values(), *self.done]
+        return bool(self.many) or any(len(set(e.blocks)) >= 2 for e in entries)
+
     def remove(self) -> None:
         self.handle.remove()
 

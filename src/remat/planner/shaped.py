@@ -31,6 +31,7 @@ from ..modules.modelinfo import candidates, device_of
 from . import measure
 from .distributed import agree_min, agree_same
 from .fake import fake_twin, on_fake
+from .grouped import NotPaired, pair_peak
 from .inputs import Inputs
 from .loop import Loop
 from .meta import AutocastInForward, is_meta, on_meta, twin
@@ -184,6 +185,26 @@ class ProfileSource:
             fitted = self._fitted(inputs, loop)
             if fitted is not None:
                 return fitted
+            self.say(
+                f"profiling real steps{at}, two blocks kept at a time (never the unchecked "
+                f"step): {self.why}"
+            )
+            try:
+                prof = measure.profile_loop(
+                    self.model, inputs, loop, blocks=self.blocks, paired=True
+                )
+            except NotPaired as e:
+                self.say(f"pair steps cannot profile this model: {e}")
+            else:
+                if callable(self.within):
+                    held, target = pair_peak(prof), self.within(prof)
+                    if held > target:
+                        self.say(
+                            f"the pair steps held up to {fmt_bytes(held)}, above the budget "
+                            f"{fmt_bytes(target)} (the unchecked step: "
+                            f"{fmt_bytes(prof.unchecked_peak_bytes)})"
+                        )
+                return prof
         self.say(f"profiling real steps{at}, the unchecked step among them: {self.why}")
         return measure.profile_loop(self.model, inputs, loop, blocks=self.blocks)
 

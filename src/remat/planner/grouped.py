@@ -1,0 +1,202 @@
+"""A decision's uniform line from steps that hold two blocks under it at a time.
+
+A profile measures, per decision, one step with every block under it (its *line*: a
+:class:`~remat.planner.types.Timeline`). Under ``keep`` that step is the unchecked one: the
+step that does not fit, for the user the planner exists for. Where a profile cannot be made
+from shapes (the model reads tensor values, or a process group runs it) and its batch is too
+small to fit from smaller batches (:mod:`remat.planner.shaped`), the lines of the decisions
+that hold activations (``keep``, ``selective``, ``split``) are assembled instead from *pair
+steps*: step ``i`` (``1 <= i < n``) runs blocks ``i - 1`` and ``i`` under the decision and
+every other block recomputed, so it holds what the recomputed line holds and two blocks'
+activations, not the whole model's.
+
+Block ``i``'s terms come from step ``i`` (block 0's from step 1), where the block before it
+is under the same decision as in the uniform line (what it saves of block ``i``'s input is
+the same), and block ``i``'s own window is measured as it is in that line:
+
+- forward: what the block leaves alive (from its window's start to the next's), its peak and
+  its tail above its window's start; the uniform line's window starts are their running sum
+  from the first block's start (the same in every step);
+- backward: the bytes at the start of block ``i``'s backward in step ``i``, plus, for every
+  block before it, what it holds into backward in the uniform line less what it held in step
+  ``i`` (*holds into backward*: what it left alive in forward, less what died as forward
+  returned: its inputs the model's code held (``held_to_end``), the outputs the head freed
+  (``Timeline.outputs_freed``) and the casts an autocast region's end freed
+  (``Timeline.exit_freed``)); its peak and gradients above that start as measured;
+- the head (``top``) from the last step, above the uniform line's start of it.
+
+The pair effects the step model reads from the uniform ``keep`` step
+(:class:`~remat.planner.probes.InputFrees`) are read in the pair step that has the pair
+under ``keep``: what block ``i + 1`` frees of block ``i``'s output in step ``i + 1``, block
+``i``'s inputs held to the end of forward in step ``i``.
+
+A tensor handed to more than two blocks (a position bias each layer receives) is held by
+the recomputed blocks of every pair step into backward, where the uniform ``keep`` line may
+free it as forward returns: such a model is not profiled from pair steps (:class:`NotPaired`,
+raised by the first pair step that sees one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from .types import Decision, Timeline
+
+if TYPE_CHECKING:
+    from .solve import Profile
+
+#: The decisions whose lines are assembled from pair steps (the others hold no more than
+#: their inputs on the device: ``recompute``, and ``offload`` once its copies are done).
+PAIRED = (Decision.KEEP, Decision.SELECTIVE, Decision.SPLIT)
+
+
+class NotPaired(Exception):
+    """A model whose lines pair steps cannot assemble (the reason in its message)."""
+
+
+def pair_patterns(
+    n: int, d: Decision, fixed: dict[int, Decision]
+) -> list[list[Decision]]:
+    """The decisions of the blocks in each pair step of ``d`` for ``n`` blocks: step ``i``
+    (``i = 1 .. n - 1``, the list's ``i - 1``-th) has blocks ``i - 1`` and ``i`` under ``d``,
+    every other block recomputed, but the blocks of ``fixed`` (index to decision: a block
+    that changes its input in place is kept in every line).
+
+    Example:
+        >>> [[x.value[0] for x in p] for p in pair_patterns(3, Decision.KEEP, {})]
+        [['k', 'k', 'r'], ['r', 'k', 'k']]
+    """
+    out = []
+    for i in range(1, n):
+        pattern = [d if j in (i - 1, i) else Decision.RECOMPUTE for j in range(n)]
+        for j, fx in fixed.items():
+            pattern[j] = fx
+        out.append(pattern)
+    return out
+
+
+def pair_peak(prof: Profile) -> int:
+    """The largest predicted peak of the pair steps of ``prof``'s decisions (those that a
+    profile from pair steps ran), by the step model.
+
+    Example:
+        >>> import torch, remat
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
+        >>> prof = remat.profile(model, torch.randn(4, 8), timer="flops")
+        >>> pair_peak(prof) >= prof.floor_bytes  # a selective cache may hold more than keep
+        True
+    """
+    n = len(prof.blocks)
+    fixed = {i: Decision.KEEP for i, b in enumerate(prof.blocks) if set(b.cost) == {"keep"}}
+    peaks = [
+        prof.peak(
+            [x.value if x.value in b.cost else "recompute" for x, b in zip(pattern, prof.blocks)]
+        ).bytes
+        for d in PAIRED
+        if d.value in prof.decisions
+        for pattern in pair_patterns(n, d, fixed)
+    ]
+    return max(peaks, default=prof.unchecked_peak_bytes)
+
+
+def step_of(i: int) -> int:
+    """The pair step (its index in :func:`pair_patterns`' list) whose block ``i`` is the
+    measured one: the step of blocks ``i - 1`` and ``i``, block 0's the step of blocks 0 and 1.
+
+    Example:
+        >>> [step_of(i) for i in range(4)]
+        [0, 0, 1, 2]
+    """
+    return max(i, 1) - 1
+
+
+@dataclasses.dataclass
+class PairStep:
+    """One pair step's record: its timeline, and per block what died as forward returned of
+    what it left alive (its inputs the model's code held to then: ``held_to_end``, from
+    :class:`~remat.planner.probes.InputFrees`)."""
+
+    line: Timeline
+    held_to_end: list[int]
+
+
+def _next_start(t: Timeline, i: int) -> int:
+    return t.fwd_start[i + 1] if i + 1 < len(t.fwd_start) else t.top_start
+
+
+def _left(t: Timeline, i: int) -> int:
+    """What block ``i`` left alive in forward in ``t``: its window's start to the next's."""
+    return _next_start(t, i) - t.fwd_start[i]
+
+
+def _into_backward(s: PairStep, i: int) -> int:
+    """What block ``i`` holds into backward in step ``s`` (see the module docstring)."""
+    t = s.line
+    out = _left(t, i) - s.held_to_end[i]
+    if t.exit_freed:
+        out -= t.exit_freed[i]
+    if i < len(t.outputs_freed):
+        out -= t.outputs_freed[i]
+    return out
+
+
+def assemble(steps: Sequence[PairStep]) -> Timeline:
+    """The uniform line of the decision whose pair steps (in :func:`pair_patterns`' order)
+    are ``steps`` (see the module docstring).
+
+    Example (two blocks: the one pair step is the uniform line):
+        >>> t = Timeline(fwd_start=[10, 30], fwd_peak=[40, 60], top_start=50, top_peak=70,
+        ...              bwd_start=[45, 60], bwd_peak=[55, 75], bwd_grads=[4, 2],
+        ...              input_bytes=[8, 8], outputs_freed=[0], fwd_tail=[30, 50])
+        >>> assemble([PairStep(t, [0, 0])]) == t
+        True
+    """
+    first = steps[0].line
+    n = len(first.fwd_start)
+    mine = [steps[step_of(i)] for i in range(n)]
+    v = dataclasses.replace(
+        first,
+        fwd_start=[0] * n,
+        fwd_peak=[0] * n,
+        fwd_tail=[0] * n if first.fwd_tail else [],
+        bwd_start=[None] * n,
+        bwd_peak=[0] * n,
+        bwd_grads=[0] * n,
+        outputs_freed=[mine[i].line.outputs_freed[i] for i in range(n - 1)]
+        if first.outputs_freed
+        else [],
+        exit_freed=[mine[i].line.exit_freed[i] for i in range(n)] if first.exit_freed else [],
+    )
+    start = first.fwd_start[0]
+    for i, s in enumerate(mine):
+        t = s.line
+        v.fwd_start[i] = start
+        v.fwd_peak[i] = start + t.fwd_peak[i] - t.fwd_start[i]
+        if v.fwd_tail:
+            v.fwd_tail[i] = start + t.fwd_tail[i] - t.fwd_start[i]
+        start += _left(t, i)
+    last = mine[-1].line
+    v.top_start = start
+    v.top_peak = start + last.top_peak - last.top_start
+    if last.top_pre_peak is not None and last.exit_freed:
+        # the window's peak after the autocast region ended: the casts each line's blocks
+        # cached died there
+        v.top_peak -= sum(v.exit_freed) - sum(last.exit_freed)
+    v.top_grads = last.top_grads
+    v.top_pre_peak = None if last.top_pre_peak is None else start + last.top_pre_peak - last.top_start
+    held = [_into_backward(s, i) for i, s in enumerate(mine)]  # under the decision, in its line
+    for i, s in enumerate(mine):
+        t = s.line
+        b = t.bwd_start[i]
+        if b is None:
+            continue
+        # the blocks before i: what they hold in the uniform line less in this step
+        others = sum(held[j] - _into_backward(s, j) for j in range(i))
+        v.bwd_start[i] = b + others
+        v.bwd_peak[i] = b + others + t.bwd_peak[i] - b
+        v.bwd_grads[i] = t.bwd_grads[i]
+    v.end_bytes, v.end_grads = first.end_bytes, first.end_grads
+    v.post_peak = first.post_peak
+    return v

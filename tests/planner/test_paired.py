@@ -1,0 +1,219 @@
+"""Profiles from pair steps (:mod:`remat.planner.grouped`): the byte terms of a profile whose
+``keep``, ``selective`` and ``split`` lines were assembled from steps holding two blocks under
+the decision at a time equal those of the uniform steps, field for field; no pair step holds
+more than its pattern's predicted peak; a model that hands a tensor to several blocks is
+refused (and ``auto_checkpoint`` falls back, said) (#31 item 1, a batch too small to fit)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.bench.models import ModelConfig, build, example_input
+from remat.planner import measure
+from remat.planner.grouped import NotPaired, pair_patterns
+from remat.planner.inputs import Inputs
+from remat.planner.loop import Loop
+from remat.planner.types import Decision
+from tests.support import families as F
+from tests.support.vision_models import ResNet
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+Case = Callable[[], tuple[nn.Module, tuple[Any, ...], Any]]
+
+
+def _gpt() -> tuple[nn.Module, tuple[Any, ...], Any]:
+    cfg = ModelConfig(layers=5, d_model=64, seq=64, batch=2, heads=2, vocab=128)
+    return build(cfg), (example_input(cfg),), None
+
+
+def _case(make: Callable[[], nn.Module], *args: Any, loss: Any = None) -> Case:
+    def built() -> tuple[nn.Module, tuple[Any, ...], Any]:
+        torch.manual_seed(0)
+        return make(), args, loss
+
+    return built
+
+
+def _bert() -> tuple[nn.Module, tuple[Any, ...], Any]:
+    pytest.importorskip("transformers")
+    from tests.support.hf_models import bert
+
+    torch.manual_seed(0)
+    model, batch = bert()
+    return model, (batch,), lambda out: out.loss
+
+
+CASES: dict[str, Case] = {
+    "gpt": _gpt,
+    "resnet": _case(
+        lambda: ResNet((4, 8, 16, 32)), torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    ),
+    "vit": _case(F.ViT, torch.randn(2, 3, 16, 16), loss=F.class_loss),
+    "gru": _case(F.GRUModel, F.tokens(100, shape=(2, 16)), loss=F.token_loss),
+    "towers": _case(F.Towers, torch.randn(2, 32), torch.randn(2, 32)),
+    "autocast-inside": _case(F.AutocastMLP, torch.randn(2, 32)),
+    "tanh-ends": _case(lambda: nn.Sequential(*[F.TanhBlock() for _ in range(4)]), torch.randn(2, 16)),
+    "mobilenet": _case(F.MobileNet, torch.randn(2, 3, 16, 16), loss=F.class_loss),
+}
+SLOW_CASES: dict[str, Case] = {
+    "unet": _case(F.UNet, torch.randn(2, 3, 32, 32)),
+    "moe": _case(lambda: F.TokenLM(F.MoEBlock), F.tokens(shape=(2, 16)), loss=F.token_loss),
+    "sdpa-dropout": _case(lambda: F.TokenLM(F.SDPABlock), F.tokens(shape=(2, 32)), loss=F.token_loss),
+    "tuple": _case(
+        lambda: nn.Sequential(*[F.TupleBlock() for _ in range(4)]), (torch.randn(2, 32), torch.randn(2, 32))
+    ),
+    "nested-checkpoint": _case(
+        lambda: nn.Sequential(*[F.NestedCkptBlock() for _ in range(4)]), torch.randn(2, 32)
+    ),
+    "hf-bert": _bert,
+}
+
+
+def _profile(make: Case, paired: bool, optimizer: bool = False) -> dict[str, Any]:
+    model, args, loss = make()
+    if isinstance(args[0], dict):  # a Hugging Face batch: keyword arguments
+        inputs = Inputs(**args[0])
+    else:
+        inputs = Inputs(*args)
+    opt = torch.optim.AdamW(model.parameters()) if optimizer else None
+    loop = Loop(optimizer=opt, loss_fn=loss, timer="flops")
+    prof = measure.profile_loop(model, inputs, loop, paired=paired)
+    return json.loads(prof.to_json())
+
+
+def _differences(a: Any, b: Any, path: str = "") -> list[tuple[str, Any, Any]]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b)) for d in _differences(a.get(k), b.get(k), f"{path}.{k}")]
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{path}[{i}]")]
+    return [] if a == b else [(path, a, b)]
+
+
+def _check_equal(make: Case, optimizer: bool = False) -> None:
+    uniform, paired = _profile(make, False, optimizer), _profile(make, True, optimizer)
+    # a profile from pair steps measures no scratch (measured under the plan, as for one
+    # from shapes: ``from_shapes``); every other field is the uniform steps' to the byte
+    assert paired["from_shapes"] is True
+    diff = [
+        d for d in _differences(uniform, paired) if "scratch" not in d[0] and d[0] != ".from_shapes"
+    ]
+    assert not diff, diff[:10]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_pair_steps_give_the_uniform_steps_byte_terms(name):
+    _check_equal(CASES[name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SLOW_CASES))
+def test_pair_steps_give_the_uniform_steps_byte_terms_on_more_families(name):
+    _check_equal(SLOW_CASES[name])
+
+
+def test_pair_steps_give_the_uniform_optimizer_terms():
+    _check_equal(_gpt, optimizer=True)
+
+
+def test_no_pair_step_holds_more_than_its_patterns_predicted_peak():
+    model, (x,), _ = _gpt()
+    uniform = measure.profile_loop(model, Inputs(x), Loop(timer="flops"))
+    n = len(uniform.blocks)
+    predicted = [
+        uniform.peak([d.value for d in pattern]).bytes
+        for d in (Decision.KEEP, Decision.SELECTIVE, Decision.SPLIT)
+        for pattern in pair_patterns(n, d, {})
+    ]
+    static = sum(p.nbytes for p in model.parameters()) + x.nbytes
+    with remat.memory.track() as t:
+        measure.profile_loop(model, Inputs(x), Loop(timer="flops"), paired=True)
+    held = static + t.peak_bytes_by_device["cpu"]
+    # the profile's own records (weak references, a few small tensors) on top: 2 KiB here
+    assert held <= max(predicted) + 4096
+    assert held < uniform.unchecked_peak_bytes
+
+
+def test_a_model_that_hands_a_tensor_to_several_blocks_is_not_paired():
+    torch.manual_seed(0)
+    model = F.EncoderDecoder()
+    with pytest.raises(NotPaired, match="handed to several blocks"):
+        measure.profile_loop(model, Inputs(torch.randn(2, 64, 32)), Loop(timer="flops"), paired=True)
+
+
+class _Routed(nn.Module):
+    """A block whose work depends on its input's values (as a mixture of experts' routing):
+    shapes alone cannot profile it."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(d, 4 * d), nn.Linear(d, 4 * d)
+        self.out = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        pick = int((x.sum() > 0).item())
+        h = (self.a if pick else self.b)(x)
+        return x + self.out(torch.relu(h if bias is None else h + bias))
+
+
+def _routed() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return nn.Sequential(*[_Routed() for _ in range(8)]), torch.randn(2, 512, 64, requires_grad=True)
+
+
+@pytest.mark.parametrize("budget", ["70%", "50%"])
+def test_a_batch_too_small_to_fit_is_profiled_from_pair_steps_never_the_unchecked_step(
+    budget, capsys
+):
+    model, x = _routed()
+    unchecked = remat.measure_peak(model, x)
+    static = sum(p.nbytes for p in model.parameters()) + x.nbytes
+    with remat.memory.track() as t:  # every tensor any step inside allocates
+        p = remat.auto_checkpoint(model, x, budget=budget, timer="flops")
+    err = capsys.readouterr().err
+    held = static + t.peak_bytes_by_device["cpu"]
+    assert "two blocks kept at a time (never the unchecked step)" in err
+    assert "the unchecked step among them" not in err
+    assert held < unchecked
+    assert remat.measure_peak(model, x) <= p.budget_bytes
+    if budget == "70%":  # the pair steps fit: no step held more than the budget
+        assert held <= p.budget_bytes
+        assert "above the budget" not in err
+    else:  # 50 %: below what two blocks kept at a time hold, which is said
+        assert held > p.budget_bytes
+        assert "the pair steps held up to" in err
+
+
+def test_a_small_batch_of_a_model_pair_steps_cannot_profile_falls_back_and_says_why(capsys):
+    class Shared(nn.Module):  # each block receives the same tensor (a mask, rotary tables)
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(_Routed(32) for _ in range(3))
+            self.table = nn.Parameter(torch.zeros(128))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            bias = self.table * 2.0
+            for b in self.blocks:
+                x = b(x, bias)
+            return x
+
+    torch.manual_seed(0)
+    model = Shared()
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    p = remat.auto_checkpoint(model, x, budget="100%", timer="flops")
+    err = capsys.readouterr().err
+    assert "pair steps cannot profile this model: a tensor is handed to several blocks" in err
+    assert "the unchecked step among them" in err
+    assert remat.measure_peak(model, x) <= p.budget_bytes
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))
