@@ -349,8 +349,9 @@ def auto_checkpoint(
     than the budget unless the smallest pair's unchecked step already does (a low budget and
     a batch under about 16: the numbers are said). A batch under 4 is profiled at the whole
     batch from pair steps (:mod:`remat.planner.grouped`: two blocks under each decision at a
-    time, the others recomputed), never the unchecked step, unless the model hands one
-    tensor to several blocks (then as :func:`remat.profile` does, which runs it; said).
+    time, the others recomputed), never the unchecked step, unless a tensor handed to
+    several blocks dies before the forward returns (T5's position bias; then as
+    :func:`remat.profile` does, which runs it; said).
     A model on the meta device is planned and the plan applied, with no real step.
     Each stage is said on standard error unless ``quiet``.
 

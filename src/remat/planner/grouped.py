@@ -30,10 +30,15 @@ The pair effects the step model reads from the uniform ``keep`` step
 under ``keep``: what block ``i + 1`` frees of block ``i``'s output in step ``i + 1``, block
 ``i``'s inputs held to the end of forward in step ``i``.
 
-A tensor handed to more than two blocks (a position bias each layer receives) is held by
-the recomputed blocks of every pair step into backward, where the uniform ``keep`` line may
-free it as forward returns: such a model is not profiled from pair steps (:class:`NotPaired`,
-raised by the first pair step that sees one).
+A storage handed to several blocks (a mask or rotary tables each layer receives, a bias one
+block returns to the next) is held into backward by the recomputed blocks of a pair step,
+where the uniform ``keep`` line may free it as forward returns. Where it lives with every
+block kept is read in one forward whose saved tensors are recorded and dropped
+(:func:`~remat.planner.probes.keep_lifetimes`: :class:`KeptShared`), and the ``keep`` line's
+backward windows and its last window after the model's return (which pair steps record
+apart: ``Timeline.top_ret_peak``) count it as there. One that dies before the forward
+returns with every block kept (T5's position bias, as the encoder returns) is not profiled
+from pair steps (:class:`NotPaired`): its window's bytes are not recorded apart.
 """
 
 from __future__ import annotations
@@ -112,14 +117,50 @@ def step_of(i: int) -> int:
     return max(i, 1) - 1
 
 
+Role = tuple[int, int]
+
+
 @dataclasses.dataclass
 class PairStep:
     """One pair step's record: its timeline, and per block what died as forward returned of
     what it left alive (its inputs the model's code held to then: ``held_to_end``, from
-    :class:`~remat.planner.probes.InputFrees`)."""
+    :class:`~remat.planner.probes.InputFrees`, the storages handed to several blocks left
+    out); and, by role (:class:`~remat.planner.probes.SharedArgs`), the bytes of those
+    storages alive as each block's backward started (``alive_bwd``) and as the model's
+    forward returned (``alive_return``)."""
 
     line: Timeline
     held_to_end: list[int]
+    alive_bwd: list[dict[Role, int]] = dataclasses.field(default_factory=list)
+    alive_return: dict[Role, int] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class KeptShared:
+    """Where the storages handed to several blocks live with every block kept (from
+    :func:`~remat.planner.probes.keep_lifetimes`): by role, their bytes, the first place
+    that saved each for backward (a block's index, -1 before the blocks, ``n`` after them)
+    and those alive as the model's forward returned (its output or state holds them)."""
+
+    n: int
+    nbytes: dict[Role, int]
+    saved: dict[Role, int]
+    held: set[Role]
+
+    def alive_bwd(self, i: int) -> int:
+        """Their bytes alive as block ``i``'s backward starts: held, or saved by a block at
+        or before ``i`` (or before the blocks)."""
+        return sum(
+            b for r, b in self.nbytes.items() if r in self.held or self.saved.get(r, self.n) <= i
+        )
+
+    def alive_return(self) -> int:
+        """Their bytes alive once the model's forward returned: held, or saved anywhere."""
+        return sum(b for r, b in self.nbytes.items() if r in self.held or r in self.saved)
+
+    def dead(self, r: Role) -> bool:
+        """Whether role ``r``'s storage dies as the forward returns (nothing saved it)."""
+        return r not in self.held and r not in self.saved
 
 
 def _next_start(t: Timeline, i: int) -> int:
@@ -142,7 +183,7 @@ def _into_backward(s: PairStep, i: int) -> int:
     return out
 
 
-def assemble(steps: Sequence[PairStep]) -> Timeline:
+def assemble(steps: Sequence[PairStep], kept: KeptShared | None = None) -> Timeline:
     """The uniform line of the decision whose pair steps (in :func:`pair_patterns`' order)
     are ``steps`` (see the module docstring).
 
@@ -186,6 +227,13 @@ def assemble(steps: Sequence[PairStep]) -> Timeline:
         v.top_peak -= sum(v.exit_freed) - sum(last.exit_freed)
     v.top_grads = last.top_grads
     v.top_pre_peak = None if last.top_pre_peak is None else start + last.top_pre_peak - last.top_start
+    v.top_ret_peak = None
+    if kept is not None and last.top_ret_peak is not None:
+        # the storages handed to several blocks die as forward returns unless a kept block
+        # saved them, where the pair step's recomputed blocks hold them on
+        pre, post = last.top_ret_peak, max(last.top_peak, last.top_ret_peak)
+        gone = sum(mine[-1].alive_return.values()) - kept.alive_return()
+        v.top_peak = max(start + pre - last.top_start, start + post - last.top_start - gone)
     held = [_into_backward(s, i) for i, s in enumerate(mine)]  # under the decision, in its line
     for i, s in enumerate(mine):
         t = s.line
@@ -194,6 +242,8 @@ def assemble(steps: Sequence[PairStep]) -> Timeline:
             continue
         # the blocks before i: what they hold in the uniform line less in this step
         others = sum(held[j] - _into_backward(s, j) for j in range(i))
+        if kept is not None:  # the storages handed to several blocks: as with every block kept
+            others += kept.alive_bwd(i) - sum(s.alive_bwd[i].values())
         v.bwd_start[i] = b + others
         v.bwd_peak[i] = b + others + t.bwd_peak[i] - b
         v.bwd_grads[i] = t.bwd_grads[i]

@@ -59,7 +59,15 @@ from .checks import TIMERS, check_options
 from .compiled import AllocatorTimeline, whole_step_costs
 from .distributed import active, agree_profile, agree_same
 from .fake import fake_mode_of, fake_steps
-from .grouped import PAIRED, NotPaired, PairStep, assemble, pair_patterns, step_of
+from .grouped import (
+    PAIRED,
+    KeptShared,
+    NotPaired,
+    PairStep,
+    assemble,
+    pair_patterns,
+    step_of,
+)
 from .inputs import Inputs, model_inputs
 from .loop import Loop, Step
 from .meta import (
@@ -73,8 +81,11 @@ from .meta import (
 from .probes import (
     CallCount,
     InputFrees,
+    SharedArgs,
     TimelineProbe,
     WindowMarks,
+    dead_storage_bytes,
+    keep_lifetimes,
     kept_outputs,
     offload_inputs,
 )
@@ -100,6 +111,7 @@ from .types import (
     SPLIT,
     Decision,
     Measurements,
+    SharedInput,
     Timeline,
     Timer,
     Window,
@@ -552,6 +564,7 @@ def _measure_steps(
     paired_lines = [d for d in decisions if paired and n >= 2 and d in PAIRED]
     for d in [*(d for d in decisions if d not in paired_lines), *paired_lines]:
         if d in paired_lines:
+            roles: set[tuple[int, int]] = set()  # of storages handed to several blocks
             pairs: list[PairStep] = []
             pair_frees: list[InputFrees] = []
             pair_times: list[tuple[dict[str, float], dict[str, float]]] = []
@@ -559,16 +572,10 @@ def _measure_steps(
                 for nm, mod, p in zip(names, modules, pattern):
                     apply_decision(mod, RECOMPUTE if p is SPLIT and nm not in splittable else p)
                 step.clear_grads()
-                line, found = _memory_step(step, modules, storages, True)
-                assert found is not None
-                if found.handed_on():  # held by the recomputed blocks: not as uniform
-                    raise NotPaired(
-                        "a tensor is handed to several blocks (a mask or a position table "
-                        "each layer receives, a bias each returns again, a view one returns), "
-                        "which the recomputed blocks of a pair step hold into backward"
-                    )
-                pairs.append(PairStep(line, found.held_to_end))
+                pair, found, args = _pair_step(step, modules, storages)
+                pairs.append(pair)
                 pair_frees.append(found)
+                roles |= {a.role for a in args.shared()}
                 if d is KEEP and optimizer is not None and len(pairs) == 1:
                     opt_terms = _optimizer_terms(step.state, optimizer, step.counted)
                 if clock is not None:
@@ -577,7 +584,14 @@ def _measure_steps(
                         time_blocks(blocks, step.timed, step.device, repeats, clock, step.threads)
                     )
                 tick()
-            lines[d] = assemble(pairs)
+            lives: KeptShared | None = None
+            probe: SharedArgs | None = None
+            if roles and d is KEEP:  # where they live with every block kept: one forward
+                probe = keep_lifetimes(
+                    model, modules, step.args, step.kwargs, step.state, step.inputs
+                )
+                lives = _kept_shared(probe, n, pairs[-1].line)
+            lines[d] = assemble(pairs, lives)
             head_freed[d] = pair_frees[-1].freed[-1]
             if d in HELD_LINES:
                 held[d] = [pairs[step_of(i)].held_to_end[i] for i in range(n)]
@@ -586,6 +600,21 @@ def _measure_steps(
                 shared = max(f.shared for f in pair_frees)
                 for f in pair_frees:
                     shared_inputs.update(f.shared_inputs)
+                if lives is not None and probe is not None:
+                    # as InputFrees counts them with every block kept: those passed as the
+                    # same tensor to several blocks (``shared``), the others received (their
+                    # receivers' inputs held to the end, a SharedInput dying at the end)
+                    shared = 0
+                    for a in probe.shared():
+                        if not lives.dead(a.role):
+                            continue
+                        if a.many:
+                            shared += a.nbytes
+                            continue
+                        for i in sorted(set(a.blocks)):
+                            held[d][i] += a.nbytes
+                        g = SharedInput(tuple(a.blocks), n, a.nbytes)
+                        shared_inputs[g.key] = shared_inputs.get(g.key, 0) + a.nbytes
             if clock is not None:
                 times[d] = {nm: pair_times[step_of(i)][0][nm] for i, nm in enumerate(names)}
                 noise[d] = {nm: pair_times[step_of(i)][1][nm] for i, nm in enumerate(names)}
@@ -690,6 +719,69 @@ def _measure_steps(
         scratch=scratch,
         compiled=compiled,
     )
+
+
+def _pair_step(
+    step: Step, modules: list[nn.Module], storages: list[torch.UntypedStorage]
+) -> tuple[PairStep, InputFrees, SharedArgs]:
+    """One tracked pair step (:mod:`.grouped`): its timeline (the ``top`` window's peak up to
+    the model's return apart), what :class:`InputFrees` saw, and the storages handed to
+    several blocks (:class:`SharedArgs`), which the held-to-end bytes leave out."""
+    found = InputFrees(step.model, len(modules), step.inputs)
+    args = SharedArgs(step.model, len(modules), step.inputs)
+    hooks = [BlockHooks(modules, found), BlockHooks(modules, args)]
+    held: list[int] = []
+
+    def at_end(*_: Any) -> None:  # as the forward returns, after InputFrees' own hook
+        keys = {a.key for a in args.shared()}
+        held[:] = [dead_storage_bytes([e for e in alive if e[2] not in keys]) for alive in found.alive]
+
+    end = step.model.register_forward_hook(at_end)
+    try:
+        with memory.track(step.counted) as tracker:
+            tracker.watch(storages)
+            params = step.state.grad_params if step.loop.set_to_none else []
+            timeline = TimelineProbe(tracker, len(modules), params, step.counted)
+            ret = step.model.register_forward_hook(lambda *_: timeline.model_returned())
+            try:
+                with BlockHooks(modules, timeline):
+                    step(timeline.finish)
+            finally:
+                ret.remove()
+                timeline.remove()
+    finally:
+        for h in hooks:
+            h.remove()
+        found.remove()
+        args.remove()
+        end.remove()
+    pair = PairStep(timeline.line, held, args.at_bwd, args.at_return or {})
+    return pair, found, args
+
+
+def _kept_shared(probe: SharedArgs, n: int, last: Timeline) -> KeptShared:
+    """:class:`KeptShared` from :func:`keep_lifetimes`' ``probe``, or :class:`NotPaired`
+    where a storage handed to several blocks dies before the forward returns with every
+    block kept (a stack's bias as the stack returns: its window is not the pair steps'), or
+    an autocast region ends between the last block and backward (``last``: the last pair
+    step's line)."""
+    early = [a for a in probe.shared() if probe.died.get(a.role, n) < n and a.role not in probe.saved]
+    if early:
+        raise NotPaired(
+            f"a tensor handed to blocks {sorted(set(early[0].blocks))} dies before the forward "
+            "returns (a stack's bias as the stack returns), where the recomputed blocks of a "
+            "pair step hold it on"
+        )
+    if last.top_pre_peak is not None:
+        raise NotPaired(
+            "an autocast region ends before backward and a tensor is handed to several "
+            "blocks: the pair steps do not split the last window at both"
+        )
+    nbytes: dict[tuple[int, int], int] = {}
+    for a in probe.shared():
+        nbytes[a.role] = nbytes.get(a.role, 0) + a.nbytes
+    held = {r for r, b in (probe.at_return or {}).items() if b}
+    return KeptShared(n, nbytes, dict(probe.saved), held)
 
 
 def _mutating(step: Step, modules: list[nn.Module], names: list[str]) -> set[str]:

@@ -303,6 +303,8 @@ class TimelineProbe(WindowProbe):
         ``window`` (the bytes at its start go to its terms)."""
         peak = self.tracker.close_window(self.window)
         line, (kind, i) = self.line, (self.current.kind, self.current.block)
+        if kind is WindowKind.TOP and line.top_ret_peak is not None:
+            peak = max(peak, line.top_ret_peak)
         put_peak(line, self.current, peak, grad_bytes(self.params, self.counted))
         if kind is WindowKind.FWD:  # the window's part after the block returned was open
             line.fwd_peak[i], line.fwd_tail[i] = max(peak, self.inner), peak
@@ -357,6 +359,13 @@ class TimelineProbe(WindowProbe):
             if 0 <= i < len(line.exit_freed):  # allocated in block i's forward window
                 line.exit_freed[i] += nbytes
         self.window.peak = self.window.start = tracker.current_bytes
+
+    def model_returned(self) -> None:
+        """The model's forward returned (a hook on it): the ``top`` window's peak so far is
+        kept apart (``Timeline.top_ret_peak``; ``top_peak`` stays the whole window's)."""
+        if self.current.kind is WindowKind.TOP and self.line.top_ret_peak is None:
+            self.line.top_ret_peak = self.tracker.close_window(self.window)
+            self.window = self.tracker.open_window()
 
     def finish(self) -> None:
         """Close the last window (backward has returned); read the bytes alive now."""
@@ -571,6 +580,157 @@ class InputFrees:
 
     def remove(self) -> None:
         self.handle.remove()
+
+
+@dataclasses.dataclass
+class _Arg:
+    """A storage blocks received: its role (the first block that received it, its place
+    among that block's tensor arguments), bytes, the blocks that received it, whether one
+    received it as the same tensor another did (not as the block before's output)."""
+
+    role: tuple[int, int]
+    nbytes: int
+    key: int
+    ref: weakref.ref[torch.UntypedStorage]
+    blocks: list[int]
+    many: bool = False
+
+
+class SharedArgs(WindowProbe):
+    """The storages handed to two or more blocks (as arguments to several, or returned by
+    one to the next; but the model's inputs, parameters and buffers), by role
+    (:class:`_Arg`: the same in every step of the model), and the bytes of those of them
+    alive as each block's backward starts (:attr:`at_bwd`, by role) and as the model's forward
+    returns (:attr:`at_return`: its forward hook :meth:`end`, removed by :meth:`remove`).
+
+    With ``saves`` (:meth:`saving`: a forward whose saved tensors are recorded and dropped,
+    :func:`keep_lifetimes`) it records where each was saved for backward instead: by block
+    (its index), before the blocks (-1) or after them (``n``)."""
+
+    def __init__(self, model: nn.Module, n: int, inputs: Sequence[torch.Tensor]) -> None:
+        super().__init__(n)
+        self.n = n
+        self.outside = {id(t) for t in inputs}
+        self.outside |= {id(t) for t in model.parameters()} | {id(t) for t in model.buffers()}
+        self.args: dict[int, _Arg] = {}  # by storage key, while alive
+        self.done: list[_Arg] = []  # entries whose key a later storage took
+        self.prev: set[int] = set()  # ids of what the block before returned
+        self.at_bwd: list[dict[tuple[int, int], int]] = [{} for _ in range(n)]
+        self.at_return: dict[tuple[int, int], int] | None = None
+        self.died: dict[tuple[int, int], int] = {}  # role -> the block whose start saw it dead
+        self.saved: dict[tuple[int, int], int] = {}  # role -> first place that saved it
+        # storages saved before any block received them: key -> (storage, place)
+        self.early: dict[int, tuple[weakref.ref[torch.UntypedStorage], int]] = {}
+        self.running = -1  # the block whose forward runs (-1 before the first, n after the last)
+        self.handle = model.register_forward_hook(self.end)
+
+    def shared(self) -> list[_Arg]:
+        """The storages two or more blocks received (those whose key a later storage took
+        included)."""
+        return [a for a in [*self.done, *self.args.values()] if len(set(a.blocks)) >= 2]
+
+    def _alive(self) -> dict[tuple[int, int], int]:
+        out: dict[tuple[int, int], int] = {}
+        for a in self.shared():
+            if a.ref() is not None:
+                out[a.role] = out.get(a.role, 0) + a.nbytes
+        return out
+
+    def enter(self, window: Window) -> None:
+        if window.kind is WindowKind.BWD:
+            self.at_bwd[window.block] = self._alive()
+
+    def before(self, i: int, args: Any, kwargs: Any) -> None:
+        for old in self.args.values():
+            if old.ref() is None and len(set(old.blocks)) >= 2 and old.role not in self.died:
+                self.died[old.role] = i
+        got: list[torch.Tensor] = []
+        tensors_in((args, kwargs), got)
+        place = 0
+        for t in got:
+            if id(t) in self.outside:
+                continue
+            for st in held_storages(t):
+                key, nbytes = storage_key(st), st.nbytes()
+                if not nbytes:
+                    continue
+                found = self.args.get(key)
+                if found is None or found.ref() is not st:
+                    if found is not None:  # a dead storage's key, taken again
+                        self.done.append(found)
+                    a = self.args[key] = _Arg((i, place), nbytes, key, weakref.ref(st), [])
+                    early = self.early.pop(key, None)
+                    if early is not None and early[0]() is st:
+                        self.saved.setdefault(a.role, early[1])
+                else:
+                    a = found
+                if a.blocks and id(t) not in self.prev:
+                    a.many = True
+                a.blocks.append(i)
+            place += 1
+        self.running = i
+        super().before(i, args, kwargs)
+
+    def after(self, i: int, args: Any, kwargs: Any, out: Any) -> None:
+        outs: list[torch.Tensor] = []
+        tensors_in(out, outs)
+        self.prev = {id(t) for t in outs}
+        self.running = self.n if i == self.last else i
+        super().after(i, args, kwargs, out)
+
+    def saving(self, t: torch.Tensor) -> None:
+        """``t`` is saved for backward (a pack hook) while :attr:`running` runs."""
+        for st in held_storages(t):
+            key = storage_key(st)
+            a = self.args.get(key)
+            if a is not None and a.ref() is st:
+                self.saved.setdefault(a.role, self.running)
+            else:  # not received by a block yet: looked up when one does
+                e = self.early.get(key)
+                if e is None or e[0]() is not st:  # the first save of this storage
+                    self.early[key] = (weakref.ref(st), self.running)
+
+    def end(self, module: Any, args: Any, out: Any) -> None:
+        self.at_return = self._alive()
+        for a in self.shared():
+            if a.ref() is None and a.role not in self.died:
+                self.died[a.role] = self.n
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+def keep_lifetimes(
+    model: nn.Module,
+    modules: Sequence[nn.Module],
+    args: Any,
+    kwargs: Any,
+    state: StepState,
+    inputs: Sequence[torch.Tensor],
+) -> SharedArgs:
+    """:class:`SharedArgs` of one forward with every block kept whose saved tensors are
+    recorded (where, and which storages) and dropped at once, so it holds what a forward
+    without gradients holds: where the storages handed to several blocks would live with
+    every block kept, without the step that holds every block's activations. No backward
+    runs (the dropped tensors could not be unpacked)."""
+    for m in modules:
+        apply_decision(m, Decision.KEEP)
+    probe = SharedArgs(model, len(modules), inputs)
+
+    def pack(t: torch.Tensor) -> None:
+        probe.saving(t)
+
+    def unpack(_: None) -> torch.Tensor:
+        raise RuntimeError("remat.profile: a lifetime probe's saved tensors were dropped")
+
+    try:
+        with BlockHooks(modules, probe), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            state.reset_rng()
+            out = model(*args, **kwargs)
+            del out
+    finally:
+        probe.remove()
+    return probe
 
 
 class KeptOutputs:

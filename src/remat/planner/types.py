@@ -449,6 +449,10 @@ class Timeline:
     #: window's, else the part after the end), and per block the bytes allocated in its
     #: forward window that the end freed (autocast's cached casts of its weights).
     top_pre_peak: int | None = None
+    #: The ``top`` window's peak up to the model's forward return (after an autocast region's
+    #: end where one ended before it), where a pair step recorded it (``None``: not recorded;
+    #: ``top_peak`` is the whole window's either way).
+    top_ret_peak: int | None = None
     exit_freed: list[int] = dataclasses.field(default_factory=list)
     #: Per block but the last, the bytes of its outputs that the next block did not receive
     #: (the blocks are not one chain there: two towers), alive when the last block returns
