@@ -74,7 +74,7 @@ def test_auto_checkpoint_of_a_routed_model_runs_no_step_at_the_whole_batch_unche
     with remat.memory.track() as t:  # every tensor any step inside allocates
         p = remat.auto_checkpoint(model, x, budget="80%", optimizer=opt, timer="flops")
     err = capsys.readouterr().err
-    assert "profiling real steps at batches 2, 4 and fitting batch 64" in err
+    assert "profiling real steps in pair steps at batches 2, 4 and fitting batch 64" in err
     assert "at batches 16, 32 too" in err  # within 80 %: the largest pair
     assert "Tensor.item() cannot be called on meta tensors" in err
     assert p.budget_bytes < unchecked
@@ -102,7 +102,7 @@ def test_a_batch_of_four_to_seven_is_fitted_from_batches_of_two_and_three(capsys
     model, x = _routed()
     remat.auto_checkpoint(model, x[:6].detach().clone(), budget="100%", timer="flops")
     err = capsys.readouterr().err
-    assert "profiling real steps at batches 2, 3 and fitting batch 6" in err
+    assert "profiling real steps in pair steps at batches 2, 3 and fitting batch 6" in err
 
 
 def test_a_batch_too_small_to_cut_is_profiled_from_pair_steps_and_says_so(capsys):

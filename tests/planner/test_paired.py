@@ -241,5 +241,42 @@ def test_a_small_batch_of_a_model_pair_steps_cannot_profile_falls_back_and_says_
     assert remat.measure_peak(model, x) <= p.budget_bytes
 
 
+def scenario_ranks(rank: int) -> dict[str, list[tuple[str, Any, Any]]]:
+    # each rank its own batch; DDP in its modes (static_graph's early steps differ: the pair
+    # profile runs as many unmeasured steps first as the uniform one) and FSDP2
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from tests.planner.test_distributed_ranks import DDP_MODES, SMALL_GPT, _sharded
+
+    x = example_input(SMALL_GPT, seed=1 + rank)
+    makers: dict[str, Callable[[], nn.Module]] = {
+        f"ddp-{mode}": (lambda kw=kw: DDP(build(SMALL_GPT), **kw)) for mode, kw in DDP_MODES.items()
+    }
+    makers["fsdp2"] = lambda: _sharded(True)
+    out = {}
+    for name, make in makers.items():
+        seen = []
+        for paired in (False, True):
+            torch.manual_seed(0)
+            prof = measure.profile_loop(make(), Inputs(x), Loop(timer="flops"), paired=paired)
+            seen.append(json.loads(prof.to_json()))
+        out[name] = [
+            d for d in _differences(*seen) if "scratch" not in d[0] and d[0] != ".from_shapes"
+        ]
+    return out
+
+
+SCENARIOS = {"ranks": scenario_ranks}
+
+
+@pytest.mark.slow
+def test_pair_steps_of_ddp_and_fsdp2_ranks_give_the_uniform_steps_byte_terms(tmp_path):
+    from tests.support.ranks import run_ranks
+
+    for rank, result in enumerate(run_ranks(tmp_path, __name__, "ranks", 2, 300)):
+        for name, diff in result.items():
+            assert not diff, (rank, name, diff[:10])
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))

@@ -527,6 +527,8 @@ def _measure_steps(
         offload = offload_inputs(model, modules, step.args, step.kwargs, step.state, before)
     if is_ddp(model):  # DDP rebuilds its buckets in the second step: not in a measured one
         step()
+        if paired:  # with static_graph, the third step still differs (where the scratch
+            step()  # step runs in a profile of uniform steps)
     tick()
     # The scratch of each window with the blocks kept, whatever the model's own wrapping (put
     # back by the caller). After the offload probes the blocks stay as their last forward

@@ -113,6 +113,8 @@ class ProfileSource:
         self._twin: tuple[nn.Module, torch.optim.Optimizer | None, FakeTensorMode | None] | None
         self._twin = None
         self._found: torch.device | None = None  # the model's device, found once
+        #: why pair steps cannot profile the model (``None``: not found so far)
+        self.paired_why: str | None = None
 
     def _device_of(self, args: Any) -> torch.device:
         """The model's device (its inputs' ``args``), found at the first profile."""
@@ -190,9 +192,7 @@ class ProfileSource:
                 f"step): {self.why}"
             )
             try:
-                prof = measure.profile_loop(
-                    self.model, inputs, loop, blocks=self.blocks, paired=True
-                )
+                prof = self._real(inputs, loop, paired=True, fall_back=False)
             except NotPaired as e:
                 self.say(f"pair steps cannot profile this model: {e}")
             else:
@@ -206,6 +206,26 @@ class ProfileSource:
                         )
                 return prof
         self.say(f"profiling real steps{at}, the unchecked step among them: {self.why}")
+        return measure.profile_loop(self.model, inputs, loop, blocks=self.blocks)
+
+    def _real(
+        self, inputs: Inputs, loop: Loop, paired: bool, fall_back: bool = True
+    ) -> Profile:
+        """A profile of real steps at ``inputs``; ``paired``: from pair steps
+        (:mod:`.grouped`), or, where the model cannot be paired and ``fall_back``, of
+        uniform steps (said once; :class:`~.grouped.NotPaired` raised without)."""
+        if paired and self.paired_why is None:
+            try:
+                return measure.profile_loop(
+                    self.model, inputs, loop, blocks=self.blocks, paired=True
+                )
+            except NotPaired as e:
+                self.paired_why = str(e)
+                if not fall_back:
+                    raise
+                self.say(f"pair steps cannot profile this model: {e}")
+        elif paired and not fall_back:
+            raise NotPaired(self.paired_why)
         return measure.profile_loop(self.model, inputs, loop, blocks=self.blocks)
 
     def _fitted(self, inputs: Inputs, loop: Loop) -> Profile | None:
@@ -228,12 +248,16 @@ class ProfileSource:
         first = pairs[0] if budgeted else pairs[-1]
         if self.agree:  # every rank profiles the same sizes, in lockstep
             agree_same(pairs, "the batch sizes profiled")
+        # with a budget, not yet known, the first pair's steps hold two blocks under each
+        # decision at a time (pair steps), not their unchecked steps
+        paired = callable(self.within)
+        how = "in pair steps " if paired else ""
         self.say(
-            f"profiling real steps at batches {first[0]}, {first[1]} and fitting batch "
+            f"profiling real steps {how}at batches {first[0]}, {first[1]} and fitting batch "
             f"{largest} from them (never the unchecked step at {largest}): {self.why}"
         )
         profiles: dict[int, Profile] = {}
-        prof = self._fit_pair(first, args, largest, loop, profiles)
+        prof = self._fit_pair(first, args, largest, loop, profiles, paired=paired)
         if prof is None or not budgeted:
             return prof
         within = self.within
@@ -273,18 +297,18 @@ class ProfileSource:
         largest: int,
         loop: Loop,
         profiles: dict[int, Profile],
+        paired: bool = False,
     ) -> Profile | None:
         """The profile at the whole batch ``largest`` fitted from real profiles at the two
-        sizes of ``pair`` (kept in ``profiles``), or ``None`` (said) where a cut batch raises
-        or the two do not fit one profile."""
+        sizes of ``pair`` (kept in ``profiles``; ``paired``: from pair steps where the model
+        allows, :mod:`.grouped`), or ``None`` (said) where a cut batch raises or the two do
+        not fit one profile."""
         batch = _batch()
         try:
             for n in pair:
                 if n not in profiles:
                     a, k = batch.cut(args, largest, n)
-                    profiles[n] = measure.profile_loop(
-                        self.model, Inputs(*a, **k), loop, blocks=self.blocks
-                    )
+                    profiles[n] = self._real(Inputs(*a, **k), loop, paired)
         except NOT_FROM_SHAPES as e:
             if self.agree:
                 raise  # the other ranks would wait for this one's next step
