@@ -343,11 +343,10 @@ def auto_checkpoint(
     the model is profiled in real steps (this is said) at two smaller batches (dimension 0
     of the inputs, 4 or more) and the whole batch's profile fitted from them
     (:func:`remat.planner.shaped.batch_pairs`), so that no step holds the unchecked step's
-    bytes: first at batches 2 and 4 (2 and 3 for a batch under 8), then at the largest
-    halvings of the batch (up to a quarter and a half) whose unchecked steps that first fit
-    predicts within the budget, which the fit is made from. So no profiling step holds more
-    than the budget unless the smallest pair's unchecked step already does (a low budget and
-    a batch under about 16: the numbers are said). A batch under 4 is profiled at the whole
+    bytes: first at batches 2 and 4 (2 and 3 for a batch under 8) in pair steps (below),
+    then at the largest halvings of the batch (up to a quarter and a half) whose unchecked
+    steps that first fit predicts within the budget, which the fit is made from. So no
+    profiling step holds an unchecked step over the budget. A batch under 4 is profiled at the whole
     batch from pair steps (:mod:`remat.planner.grouped`: two blocks under each decision at a
     time, the others recomputed), never the unchecked step, unless a tensor handed to
     several blocks dies before the forward returns (T5's position bias; then as
