@@ -49,7 +49,7 @@ def main() -> None:
     measured = "--measured" in sys.argv[1:] or small
     timer = "measured" if measured else "flops"
     batch, seq = (2, 512) if small else (8, 256) if measured else (4, 512)
-    layers = 6
+    layers = 4 if small else 6
     cfg = ModelConfig(layers=layers, d_model=128, seq=seq, batch=batch, heads=4, vocab=256)
 
     def region() -> contextlib.AbstractContextManager[object]:
