@@ -348,8 +348,8 @@ def auto_checkpoint(
     steps that first fit predicts within the budget, which the fit is made from. So no
     profiling step holds an unchecked step over the budget. A batch under 4 is profiled at the whole
     batch from pair steps (:mod:`remat.planner.grouped`: two blocks under each decision at a
-    time, the others recomputed), never the unchecked step, unless a tensor handed to
-    several blocks dies before the forward returns (T5's position bias; then as
+    time, the others recomputed), never the unchecked step, unless tensors handed to
+    several blocks meet an autocast region that ends before backward (then as
     :func:`remat.profile` does, which runs it; said).
     A model on the meta device is planned and the plan applied, with no real step.
     Each stage is said on standard error unless ``quiet``.

@@ -36,9 +36,10 @@ where the uniform ``keep`` line may free it as forward returns. Where it lives w
 block kept is read in one forward whose saved tensors are recorded and dropped
 (:func:`~remat.planner.probes.keep_lifetimes`: :class:`KeptShared`), and the ``keep`` line's
 backward windows and its last window after the model's return (which pair steps record
-apart: ``Timeline.top_ret_peak``) count it as there. One that dies before the forward
-returns with every block kept (T5's position bias, as the encoder returns) is not profiled
-from pair steps (:class:`NotPaired`): its window's bytes are not recorded apart.
+apart: ``Timeline.top_ret_peak``) count it as there; one that dies in a forward window
+with every block kept (T5's position bias, as the encoder returns) leaves that window's
+block that much less alive. With an autocast region that ends before backward too, the
+model is not profiled from pair steps (:class:`NotPaired`).
 """
 
 from __future__ import annotations
@@ -133,6 +134,8 @@ class PairStep:
     held_to_end: list[int]
     alive_bwd: list[dict[Role, int]] = dataclasses.field(default_factory=list)
     alive_return: dict[Role, int] = dataclasses.field(default_factory=dict)
+    #: by role, the forward window each died in (``n``: as the forward returned)
+    died: dict[Role, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -146,6 +149,19 @@ class KeptShared:
     nbytes: dict[Role, int]
     saved: dict[Role, int]
     held: set[Role]
+    #: by role, the forward window each died in (``n``: as the forward returned)
+    died: dict[Role, int] = dataclasses.field(default_factory=dict)
+
+    def dies_in(self, r: Role) -> int | None:
+        """The forward window role ``r``'s storage dies in with every block kept (``n``: as
+        the forward returns; ``None``: it lives into backward)."""
+        if not self.dead(r):
+            return None
+        return self.died.get(r, self.n)
+
+    def early(self) -> list[Role]:
+        """The roles whose storages die before the forward returns."""
+        return [r for r in self.nbytes if self.window(r) < self.n]
 
     def alive_bwd(self, i: int) -> int:
         """Their bytes alive as block ``i``'s backward starts: held, or saved by a block at
@@ -157,6 +173,19 @@ class KeptShared:
     def alive_return(self) -> int:
         """Their bytes alive once the model's forward returned: held, or saved anywhere."""
         return sum(b for r, b in self.nbytes.items() if r in self.held or r in self.saved)
+
+    def late(self, alive: dict[Role, int], before: int | None = None) -> int:
+        """The bytes of ``alive`` (a pair step's, by role) but those of roles that die
+        with every block kept in a forward window before ``before`` (default: before the
+        forward returns), which the running sums of the windows have dead already."""
+        end = self.n if before is None else before
+        return sum(b for r, b in alive.items() if self.window(r) >= end)
+
+    def window(self, r: Role) -> int:
+        """The forward window role ``r``'s storage dies in with every block kept (``n``: as
+        the forward returns or later)."""
+        w = self.dies_in(r)
+        return self.n if w is None else w
 
     def dead(self, r: Role) -> bool:
         """Whether role ``r``'s storage dies as the forward returns (nothing saved it)."""
@@ -210,6 +239,15 @@ def assemble(steps: Sequence[PairStep], kept: KeptShared | None = None) -> Timel
         else [],
         exit_freed=[mine[i].line.exit_freed[i] for i in range(n)] if first.exit_freed else [],
     )
+    # with every block kept, a storage handed to several blocks that dies in block w's
+    # window, where block w's pair step holds it on (its recomputed blocks): block w leaves
+    # that much less alive (its window's peaks as measured: the storage dies after them)
+    dying = [0] * n
+    if kept is not None:
+        for r in kept.early():
+            w = kept.window(r)
+            if mine[w].died.get(r) != w:
+                dying[w] += kept.nbytes[r]
     start = first.fwd_start[0]
     for i, s in enumerate(mine):
         t = s.line
@@ -217,7 +255,7 @@ def assemble(steps: Sequence[PairStep], kept: KeptShared | None = None) -> Timel
         v.fwd_peak[i] = start + t.fwd_peak[i] - t.fwd_start[i]
         if v.fwd_tail:
             v.fwd_tail[i] = start + t.fwd_tail[i] - t.fwd_start[i]
-        start += _left(t, i)
+        start += _left(t, i) - dying[i]
     last = mine[-1].line
     v.top_start = start
     v.top_peak = start + last.top_peak - last.top_start
@@ -232,9 +270,10 @@ def assemble(steps: Sequence[PairStep], kept: KeptShared | None = None) -> Timel
         # the storages handed to several blocks die as forward returns unless a kept block
         # saved them, where the pair step's recomputed blocks hold them on
         pre, post = last.top_ret_peak, max(last.top_peak, last.top_ret_peak)
-        gone = sum(mine[-1].alive_return.values()) - kept.alive_return()
+        gone = kept.late(mine[-1].alive_return) - kept.alive_return()
         v.top_peak = max(start + pre - last.top_start, start + post - last.top_start - gone)
-    held = [_into_backward(s, i) for i, s in enumerate(mine)]  # under the decision, in its line
+    # under the decision, in its line (the storages it kills with every block kept, dead)
+    held = [_into_backward(s, i) - dying[i] for i, s in enumerate(mine)]
     for i, s in enumerate(mine):
         t = s.line
         b = t.bwd_start[i]
@@ -242,8 +281,9 @@ def assemble(steps: Sequence[PairStep], kept: KeptShared | None = None) -> Timel
             continue
         # the blocks before i: what they hold in the uniform line less in this step
         others = sum(held[j] - _into_backward(s, j) for j in range(i))
-        if kept is not None:  # the storages handed to several blocks: as with every block kept
-            others += kept.alive_bwd(i) - sum(s.alive_bwd[i].values())
+        if kept is not None:  # the storages handed to several blocks: as with every block
+            # kept (those dead before the forward returned: in the windows' sums above)
+            others += kept.alive_bwd(i) - kept.late(s.alive_bwd[i], before=i)
         v.bwd_start[i] = b + others
         v.bwd_peak[i] = b + others + t.bwd_peak[i] - b
         v.bwd_grads[i] = t.bwd_grads[i]

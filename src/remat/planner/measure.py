@@ -606,16 +606,22 @@ def _measure_steps(
                     # as InputFrees counts them with every block kept: those passed as the
                     # same tensor to several blocks (``shared``), the others received (their
                     # receivers' inputs held to the end, a SharedInput dying at the end)
+                    # the storages several blocks received: as with every block kept only
                     shared = 0
+                    shared_inputs = {
+                        k: v for k, v in shared_inputs.items() if "," not in k.partition(">")[0]
+                    }
                     for a in probe.shared():
-                        if not lives.dead(a.role):
+                        w = lives.dies_in(a.role)
+                        if w is None:
                             continue
                         if a.many:
                             shared += a.nbytes
                             continue
                         for i in sorted(set(a.blocks)):
-                            held[d][i] += a.nbytes
-                        g = SharedInput(tuple(a.blocks), n, a.nbytes)
+                            if i < w:  # alive as its window ended, dead as forward returned
+                                held[d][i] += a.nbytes
+                        g = SharedInput(tuple(a.blocks), w, a.nbytes)
                         shared_inputs[g.key] = shared_inputs.get(g.key, 0) + a.nbytes
             if clock is not None:
                 times[d] = {nm: pair_times[step_of(i)][0][nm] for i, nm in enumerate(names)}
@@ -757,7 +763,7 @@ def _pair_step(
         found.remove()
         args.remove()
         end.remove()
-    pair = PairStep(timeline.line, held, args.at_bwd, args.at_return or {})
+    pair = PairStep(timeline.line, held, args.at_bwd, args.at_return or {}, dict(args.died))
     return pair, found, args
 
 
@@ -767,13 +773,6 @@ def _kept_shared(probe: SharedArgs, n: int, last: Timeline) -> KeptShared:
     block kept (a stack's bias as the stack returns: its window is not the pair steps'), or
     an autocast region ends between the last block and backward (``last``: the last pair
     step's line)."""
-    early = [a for a in probe.shared() if probe.died.get(a.role, n) < n and a.role not in probe.saved]
-    if early:
-        raise NotPaired(
-            f"a tensor handed to blocks {sorted(set(early[0].blocks))} dies before the forward "
-            "returns (a stack's bias as the stack returns), where the recomputed blocks of a "
-            "pair step hold it on"
-        )
     if last.top_pre_peak is not None:
         raise NotPaired(
             "an autocast region ends before backward and a tensor is handed to several "
@@ -783,7 +782,7 @@ def _kept_shared(probe: SharedArgs, n: int, last: Timeline) -> KeptShared:
     for a in probe.shared():
         nbytes[a.role] = nbytes.get(a.role, 0) + a.nbytes
     held = {r for r, b in (probe.at_return or {}).items() if b}
-    return KeptShared(n, nbytes, dict(probe.saved), held)
+    return KeptShared(n, nbytes, dict(probe.saved), held, dict(probe.died))
 
 
 def _mutating(step: Step, modules: list[nn.Module], names: list[str]) -> set[str]:

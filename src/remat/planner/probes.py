@@ -617,7 +617,8 @@ class SharedArgs(WindowProbe):
         self.prev: set[int] = set()  # ids of what the block before returned
         self.at_bwd: list[dict[tuple[int, int], int]] = [{} for _ in range(n)]
         self.at_return: dict[tuple[int, int], int] | None = None
-        self.died: dict[tuple[int, int], int] = {}  # role -> the block whose start saw it dead
+        # role -> the forward window it died in (``n``: as the forward returned)
+        self.died: dict[tuple[int, int], int] = {}
         self.saved: dict[tuple[int, int], int] = {}  # role -> first place that saved it
         # storages saved before any block received them: key -> (storage, place)
         self.early: dict[int, tuple[weakref.ref[torch.UntypedStorage], int]] = {}
@@ -641,9 +642,7 @@ class SharedArgs(WindowProbe):
             self.at_bwd[window.block] = self._alive()
 
     def before(self, i: int, args: Any, kwargs: Any) -> None:
-        for old in self.args.values():
-            if old.ref() is None and len(set(old.blocks)) >= 2 and old.role not in self.died:
-                self.died[old.role] = i
+        self._deaths(i - 1)
         got: list[torch.Tensor] = []
         tensors_in((args, kwargs), got)
         place = 0
@@ -671,11 +670,20 @@ class SharedArgs(WindowProbe):
         self.running = i
         super().before(i, args, kwargs)
 
+    def _deaths(self, window: int) -> None:
+        """The storages two or more blocks received that died since the last look died in
+        forward window ``window`` (as :class:`InputFrees` counts them)."""
+        for a in self.shared():
+            if a.ref() is None and a.role not in self.died:
+                self.died[a.role] = window
+
     def after(self, i: int, args: Any, kwargs: Any, out: Any) -> None:
         outs: list[torch.Tensor] = []
         tensors_in(out, outs)
         self.prev = {id(t) for t in outs}
         self.running = self.n if i == self.last else i
+        if i == self.last:
+            self._deaths(i)
         super().after(i, args, kwargs, out)
 
     def saving(self, t: torch.Tensor) -> None:
@@ -692,9 +700,7 @@ class SharedArgs(WindowProbe):
 
     def end(self, module: Any, args: Any, out: Any) -> None:
         self.at_return = self._alive()
-        for a in self.shared():
-            if a.ref() is None and a.role not in self.died:
-                self.died[a.role] = self.n
+        self._deaths(self.n)
 
     def remove(self) -> None:
         self.handle.remove()
