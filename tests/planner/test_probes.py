@@ -449,3 +449,57 @@ def test_offload_probe_holds_a_first_argument_that_needs_no_gradient():
     assert found.held == [True, True]  # block 0's: no gradient; the last block's: always
     assert found.size == [0, ACT]
     assert found.alone == [False, True]  # the last block's input: dead when forward returns
+
+
+# --- keep_lifetimes: where a tensor several blocks receive lives with every block kept
+
+
+class _BiasBlock(nn.Module):
+    """``x + lin(x) <op> bias``: ``add`` saves neither operand, ``mul`` saves both."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.lin, self.op = nn.Linear(4, 4), op
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return x + (h + bias if self.op == "add" else h * bias)
+
+
+class _BiasChain(nn.Module):
+    def __init__(self, ops: list[str]) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.ones(4))
+        self.blocks = nn.ModuleList(_BiasBlock(op) for op in ops)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.table * 2.0  # 16 bytes every block receives
+        for b in self.blocks:
+            x = b(x, bias)
+        return x
+
+
+@pytest.mark.parametrize(
+    "ops, saved",
+    [
+        (["add", "add", "add"], None),  # nobody saves it: dies as the forward returns
+        (["add", "mul", "mul"], 1),  # the first block that multiplies saves it: lives on
+    ],
+)
+def test_keep_lifetimes_finds_who_saves_a_shared_tensor_and_where_it_dies(ops, saved):
+    from remat.planner.probes import keep_lifetimes
+
+    model = _BiasChain(ops)
+    x = torch.randn(2, 4, requires_grad=True)
+    with memory.track() as t:
+        probe = keep_lifetimes(model, list(model.blocks), (x,), {}, _state(model), [x])
+    (arg,) = probe.shared()
+    # role: the first block that received it, its place among that block's tensor arguments
+    # (the model's input x, not counted)
+    assert (arg.role, arg.nbytes, arg.blocks, arg.many) == ((0, 0), 16, [0, 1, 2], True)
+    assert probe.saved.get(arg.role) == saved
+    # in the probe (its saved tensors dropped) it dies as the forward returns (window 3)
+    # either way; with every block kept, what saved it holds it on
+    assert probe.died.get(arg.role) == 3
+    # the saved tensors were dropped: no block's activations outlived the forward
+    assert t.current_bytes == 0
