@@ -535,6 +535,10 @@ def auto_checkpoint(
             else:  # the second checked step also under the profiler, for the scratch
                 names = [b.name for b in prof.blocks]
                 measured, where = _peak_and_scratch(model, inputs, loop, names, model_device)
+                if agree and where is not None:  # each window's largest over the ranks, so
+                    keys = sorted(where, key=str)  # every rank plans again alike
+                    agree_same([str(k) for k in keys], "the windows of the plan's scratch")
+                    where = dict(zip(keys, agree_max([where[k] for k in keys])))
                 prof = located(prof, where)
                 scratch_known = True
                 moved = budget_of(prof, budget) - target  # a share's scratch is now known
