@@ -20,6 +20,7 @@ import argparse
 import json
 import platform
 import time
+from typing import Any
 
 import torch
 
@@ -28,6 +29,15 @@ from remat.bench.models import ModelConfig, build, example_input
 from remat.planner import measure
 from remat.planner.inputs import Inputs
 from remat.planner.loop import Loop
+
+
+def _differences(a: Any, b: Any, path: str = "") -> list[tuple[str, Any, Any]]:
+    """The fields of two JSON documents that differ, by path."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b)) for d in _differences(a.get(k), b.get(k), f"{path}.{k}")]
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{path}[{i}]")]
+    return [] if a == b else [(path, a, b)]
 
 
 def _run(cfg: ModelConfig, paired: bool) -> tuple[float, int, remat.Profile]:
@@ -63,10 +73,8 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     a, b = (json.loads(profiles[k].to_json()) for k in (False, True))
-    for d in (a, b):
-        d.pop("from_shapes", None)
-        d.pop("scratch", None)
-    print("profiles equal (scratch aside):", a == b)
+    diff = [d for d in _differences(a, b) if "scratch" not in d[0] and d[0] != ".from_shapes"]
+    print(f"profiles equal (scratch aside): {not diff}", diff[:5], flush=True)
     for share in ("70%", "50%", "30%"):
         plans = []
         for k in (False, True):

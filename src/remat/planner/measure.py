@@ -57,7 +57,7 @@ from .apply import apply_decision, restore_state, snapshot_state
 from .calibration import make_clock
 from .checks import TIMERS, check_options
 from .compiled import AllocatorTimeline, whole_step_costs
-from .distributed import active, agree_profile, agree_same
+from .distributed import active, agree_max, agree_profile, agree_same
 from .fake import fake_mode_of, fake_steps
 from .grouped import (
     PAIRED,
@@ -588,6 +588,9 @@ def _measure_steps(
                 tick()
             lives: KeptShared | None = None
             probe: SharedArgs | None = None
+            if active(step.loop.distributed):  # the probe's forward gathers under FSDP2
+                (any_roles,) = agree_max([int(bool(roles))])
+                roles = roles or ({(-1, -1)} if any_roles else set())
             if roles and d is KEEP:  # where they live with every block kept: one forward
                 probe = keep_lifetimes(
                     model, modules, step.args, step.kwargs, step.state, step.inputs
