@@ -19,25 +19,22 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
-from typing import Any
+from pathlib import Path
 
 import torch
 
-import remat
-from remat.bench.models import ModelConfig, build, example_input
-from remat.planner import measure
-from remat.planner.inputs import Inputs
-from remat.planner.loop import Loop
+ROOT = Path(__file__).resolve().parents[1]
+if __name__ == "__main__" and str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # the test suite's helpers (tests/support)
 
-
-def _differences(a: Any, b: Any, path: str = "") -> list[tuple[str, Any, Any]]:
-    """The fields of two JSON documents that differ, by path."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        return [d for k in sorted(set(a) | set(b)) for d in _differences(a.get(k), b.get(k), f"{path}.{k}")]
-    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{path}[{i}]")]
-    return [] if a == b else [(path, a, b)]
+import remat  # noqa: E402
+from remat.bench.models import ModelConfig, build, example_input  # noqa: E402
+from remat.planner import measure  # noqa: E402
+from remat.planner.inputs import Inputs  # noqa: E402
+from remat.planner.loop import Loop  # noqa: E402
+from tests.support.plans import measured_differences  # noqa: E402
 
 
 def _run(cfg: ModelConfig, paired: bool) -> tuple[float, int, remat.Profile]:
@@ -73,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     a, b = (json.loads(profiles[k].to_json()) for k in (False, True))
-    diff = [d for d in _differences(a, b) if "scratch" not in d[0] and d[0] != ".from_shapes"]
+    diff = measured_differences(a, b)
     print(f"profiles equal (scratch aside): {not diff}", diff[:5], flush=True)
     for share in ("70%", "50%", "30%"):
         plans = []

@@ -25,6 +25,7 @@ from remat.planner.inputs import Inputs
 from remat.planner.loop import Loop
 from remat.planner.types import Decision
 from tests.support import families as F
+from tests.support.plans import measured_differences
 from tests.support.vision_models import ResNet
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -111,22 +112,12 @@ def _profile(make: Case, paired: bool, optimizer: bool = False) -> dict[str, Any
     return json.loads(prof.to_json())
 
 
-def _differences(a: Any, b: Any, path: str = "") -> list[tuple[str, Any, Any]]:
-    if isinstance(a, dict) and isinstance(b, dict):
-        return [d for k in sorted(set(a) | set(b)) for d in _differences(a.get(k), b.get(k), f"{path}.{k}")]
-    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{path}[{i}]")]
-    return [] if a == b else [(path, a, b)]
-
-
 def _check_equal(make: Case, optimizer: bool = False) -> None:
     uniform, paired = _profile(make, False, optimizer), _profile(make, True, optimizer)
     # a profile from pair steps measures no scratch (measured under the plan, as for one
     # from shapes: ``from_shapes``); every other field is the uniform steps' to the byte
     assert paired["from_shapes"] is True
-    diff = [
-        d for d in _differences(uniform, paired) if "scratch" not in d[0] and d[0] != ".from_shapes"
-    ]
+    diff = measured_differences(uniform, paired)
     assert not diff, diff[:10]
 
 
@@ -169,9 +160,7 @@ def test_hugging_face_t5_from_pair_steps_is_never_below_the_uniform_steps():
     # the last window (up to the model's return) where the uniform step has it dead: high
     # there by at most its bytes, equal everywhere else
     uniform, paired = _profile(_hf("t5"), False), _profile(_hf("t5"), True)
-    diff = [
-        d for d in _differences(uniform, paired) if "scratch" not in d[0] and d[0] != ".from_shapes"
-    ]
+    diff = measured_differences(uniform, paired)
     assert {d[0] for d in diff} <= {".top", ".blocks[7].bwd_excess.keep"}, diff
     assert all(0 <= b - a <= 49152 for _, a, b in diff), diff
 
@@ -268,9 +257,7 @@ def scenario_ranks(rank: int) -> dict[str, list[tuple[str, Any, Any]]]:
             torch.manual_seed(0)
             prof = measure.profile_loop(make(), Inputs(x), Loop(timer="flops"), paired=paired)
             seen.append(json.loads(prof.to_json()))
-        out[name] = [
-            d for d in _differences(*seen) if "scratch" not in d[0] and d[0] != ".from_shapes"
-        ]
+        out[name] = measured_differences(*seen)
     return out
 
 

@@ -64,3 +64,22 @@ def wide_mlp() -> tuple[nn.Module, torch.Tensor]:
     """Parameters dominate (two-row batch): AdamW's state and step outweigh the activations."""
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Linear(128, 128) for _ in range(3)]), torch.randn(2, 128)
+
+
+def json_differences(a: Any, b: Any, path: str = "") -> list[tuple[str, Any, Any]]:
+    """The fields of two JSON documents (parsed) that differ: ``(path, a's, b's)``."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        keys = sorted(set(a) | set(b))
+        return [d for k in keys for d in json_differences(a.get(k), b.get(k), f"{path}.{k}")]
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        pairs = enumerate(zip(a, b))
+        return [d for i, (x, y) in pairs for d in json_differences(x, y, f"{path}[{i}]")]
+    return [] if a == b else [(path, a, b)]
+
+
+def measured_differences(a: Any, b: Any) -> list[tuple[str, Any, Any]]:
+    """:func:`json_differences` of two profiles' JSON but their scratch and ``from_shapes``
+    (a profile that measures its scratch under the plan, from shapes or pair steps)."""
+    return [
+        d for d in json_differences(a, b) if "scratch" not in d[0] and d[0] != ".from_shapes"
+    ]

@@ -84,7 +84,6 @@ from .probes import (
     SharedArgs,
     TimelineProbe,
     WindowMarks,
-    dead_storage_bytes,
     keep_lifetimes,
     kept_outputs,
     offload_inputs,
@@ -588,10 +587,10 @@ def _measure_steps(
                 tick()
             lives: KeptShared | None = None
             probe: SharedArgs | None = None
+            handed = bool(roles)
             if active(step.loop.distributed):  # the probe's forward gathers under FSDP2
-                (any_roles,) = agree_max([int(bool(roles))])
-                roles = roles or ({(-1, -1)} if any_roles else set())
-            if roles and d is KEEP:  # where they live with every block kept: one forward
+                (handed,) = map(bool, agree_max([int(handed)]))
+            if handed and d is KEEP:  # where they live with every block kept: one forward
                 probe = keep_lifetimes(
                     model, modules, step.args, step.kwargs, step.state, step.inputs
                 )
@@ -606,26 +605,7 @@ def _measure_steps(
                 for f in pair_frees:
                     shared_inputs.update(f.shared_inputs)
                 if lives is not None and probe is not None:
-                    # as InputFrees counts them with every block kept: those passed as the
-                    # same tensor to several blocks (``shared``), the others received (their
-                    # receivers' inputs held to the end, a SharedInput dying at the end)
-                    # the storages several blocks received: as with every block kept only
-                    shared = 0
-                    shared_inputs = {
-                        k: v for k, v in shared_inputs.items() if "," not in k.partition(">")[0]
-                    }
-                    for a in probe.shared():
-                        w = lives.dies_in(a.role)
-                        if w is None:
-                            continue
-                        if a.many:
-                            shared += a.nbytes
-                            continue
-                        for i in sorted(set(a.blocks)):
-                            if i < w:  # alive as its window ended, dead as forward returned
-                                held[d][i] += a.nbytes
-                        g = SharedInput(tuple(a.blocks), w, a.nbytes)
-                        shared_inputs[g.key] = shared_inputs.get(g.key, 0) + a.nbytes
+                    shared, shared_inputs = _kept_terms(probe, lives, n, held[d], shared_inputs)
             if clock is not None:
                 times[d] = {nm: pair_times[step_of(i)][0][nm] for i, nm in enumerate(names)}
                 noise[d] = {nm: pair_times[step_of(i)][1][nm] for i, nm in enumerate(names)}
@@ -735,47 +715,23 @@ def _measure_steps(
 def _pair_step(
     step: Step, modules: list[nn.Module], storages: list[torch.UntypedStorage]
 ) -> tuple[PairStep, InputFrees, SharedArgs]:
-    """One tracked pair step (:mod:`.grouped`): its timeline (the ``top`` window's peak up to
-    the model's return apart), what :class:`InputFrees` saw, and the storages handed to
-    several blocks (:class:`SharedArgs`), which the held-to-end bytes leave out."""
-    found = InputFrees(step.model, len(modules), step.inputs)
+    """One tracked pair step (:mod:`.grouped`, :func:`_memory_step` with its storages handed
+    to several blocks found): its record, what :class:`InputFrees` saw, and those storages."""
     args = SharedArgs(step.model, len(modules), step.inputs)
-    hooks = [BlockHooks(modules, found), BlockHooks(modules, args)]
-    held: list[int] = []
-
-    def at_end(*_: Any) -> None:  # as the forward returns, after InputFrees' own hook
-        keys = {a.key for a in args.shared()}
-        held[:] = [dead_storage_bytes([e for e in alive if e[2] not in keys]) for alive in found.alive]
-
-    end = step.model.register_forward_hook(at_end)
     try:
-        with memory.track(step.counted) as tracker:
-            tracker.watch(storages)
-            params = step.state.grad_params if step.loop.set_to_none else []
-            timeline = TimelineProbe(tracker, len(modules), params, step.counted)
-            ret = step.model.register_forward_hook(lambda *_: timeline.model_returned())
-            try:
-                with BlockHooks(modules, timeline):
-                    step(timeline.finish)
-            finally:
-                ret.remove()
-                timeline.remove()
+        line, found = _memory_step(step, modules, storages, True, shared=args)
     finally:
-        for h in hooks:
-            h.remove()
-        found.remove()
         args.remove()
-        end.remove()
-    pair = PairStep(timeline.line, held, args.at_bwd, args.at_return or {}, dict(args.died))
+    assert found is not None
+    pair = PairStep(line, found.held_to_end, args.at_bwd, args.at_return or {}, dict(args.died))
     return pair, found, args
 
 
 def _kept_shared(probe: SharedArgs, n: int, last: Timeline) -> KeptShared:
     """:class:`KeptShared` from :func:`keep_lifetimes`' ``probe``, or :class:`NotPaired`
-    where a storage handed to several blocks dies before the forward returns with every
-    block kept (a stack's bias as the stack returns: its window is not the pair steps'), or
-    an autocast region ends between the last block and backward (``last``: the last pair
-    step's line)."""
+    where an autocast region ends between the last block and backward (``last``: the last
+    pair step's line), whose window the pair steps do not split at the region's end and the
+    model's return both."""
     if last.top_pre_peak is not None:
         raise NotPaired(
             "an autocast region ends before backward and a tensor is handed to several "
@@ -786,6 +742,36 @@ def _kept_shared(probe: SharedArgs, n: int, last: Timeline) -> KeptShared:
         nbytes[a.role] = nbytes.get(a.role, 0) + a.nbytes
     held = {r for r, b in (probe.at_return or {}).items() if b}
     return KeptShared(n, nbytes, dict(probe.saved), held, dict(probe.died))
+
+
+def _kept_terms(
+    probe: SharedArgs,
+    lives: KeptShared,
+    n: int,
+    held: list[int],
+    shared_inputs: dict[str, int],
+) -> tuple[int, dict[str, int]]:
+    """The terms :class:`InputFrees` reads of the storages handed to several blocks, as with
+    every block kept (``lives``, from ``probe``): the bytes of those passed as the same
+    tensor to several blocks that die in forward (``shared``), and of the others, their
+    receivers' inputs held to the end (added to ``held``, in place) and the
+    :class:`SharedInput` they make (in the ``shared_inputs`` returned, which keeps of the
+    pair steps' only those of one block)."""
+    shared = 0
+    inputs = {k: v for k, v in shared_inputs.items() if "," not in k.partition(">")[0]}
+    for a in probe.shared():
+        w = lives.dies_in(a.role)
+        if w is None:
+            continue
+        if a.many:
+            shared += a.nbytes
+            continue
+        for i in sorted(set(a.blocks)):
+            if i < w:  # alive as its window ended, dead as forward returned
+                held[i] += a.nbytes
+        g = SharedInput(tuple(a.blocks), w, a.nbytes)
+        inputs[g.key] = inputs.get(g.key, 0) + a.nbytes
+    return shared, inputs
 
 
 def _mutating(step: Step, modules: list[nn.Module], names: list[str]) -> set[str]:
@@ -820,24 +806,34 @@ def _memory_step(
     modules: list[nn.Module],
     storages: list[torch.UntypedStorage],
     frees: bool,
+    shared: SharedArgs | None = None,
 ) -> tuple[Timeline, InputFrees | None]:
     """One tracked step: its timeline, and with ``frees`` the :class:`InputFrees` it saw.
-    Bytes do not depend on threads, so this step runs at full speed."""
-    found = InputFrees(step.model, len(modules), step.inputs) if frees else None
-    hooks = BlockHooks(modules, found) if found is not None else None
+    Bytes do not depend on threads, so this step runs at full speed. With ``shared`` (a pair
+    step, :mod:`.grouped`) that probe runs too, the ``top`` window's peak up to the model's
+    return is kept apart, and the held-to-end bytes leave out the storages it finds handed
+    to several blocks."""
+    leave_out = None if shared is None else (lambda: {a.key for a in shared.shared()})
+    found = InputFrees(step.model, len(modules), step.inputs, leave_out) if frees else None
+    hooks = [BlockHooks(modules, p) for p in (found, shared) if p is not None]
     try:
         with memory.track(step.counted) as tracker:
             tracker.watch(storages)
             params = step.state.grad_params if step.loop.set_to_none else []
             timeline = TimelineProbe(tracker, len(modules), params, step.counted)
+            ret = None
+            if shared is not None:
+                ret = step.model.register_forward_hook(lambda *_: timeline.model_returned())
             try:
                 with BlockHooks(modules, timeline):
                     step(timeline.finish)
             finally:
+                if ret is not None:
+                    ret.remove()
                 timeline.remove()
     finally:
-        if hooks is not None:
-            hooks.remove()
+        for h in hooks:
+            h.remove()
         if found is not None:
             found.remove()
     return timeline.line, found

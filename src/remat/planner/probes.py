@@ -33,7 +33,7 @@ import dataclasses
 import logging
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -441,10 +441,20 @@ class InputFrees:
     (:class:`~remat.planner.types.SharedInput`), but one block's input that died in that
     block's own window (its terms have it).
 
+    ``leave_out``: the keys of storages ``held_to_end`` leaves out, asked for as forward
+    returns (a pair step's storages handed to several blocks, :class:`SharedArgs`).
+
     Its forward hook on ``model`` (:meth:`end`) is removed by :meth:`remove`.
     """
 
-    def __init__(self, model: nn.Module, n: int, inputs: Sequence[torch.Tensor]):
+    def __init__(
+        self,
+        model: nn.Module,
+        n: int,
+        inputs: Sequence[torch.Tensor],
+        leave_out: Callable[[], set[int]] | None = None,
+    ):
+        self.leave_out = leave_out
         self.freed = [0] * n
         # tensors passed to two or more blocks that the model's forward made (not its
         # inputs, parameters or buffers, nor what one block passes to the next)
@@ -568,15 +578,12 @@ class InputFrees:
             e[2]: e for key, (_, count) in self.args.items() if count >= 2 for e in self.arg_sizes[key]
         }  # each storage once
         self.shared = dead_storage_bytes(list(shared.values()))
-        self.held_to_end = [dead_storage_bytes(alive) for alive in self.alive]
+        out = self.leave_out() if self.leave_out is not None else set()
+        self.held_to_end = [
+            dead_storage_bytes([e for e in alive if e[2] not in out]) for alive in self.alive
+        ]
         self._deaths(last + 1)
         self.shared_inputs = self._shared_inputs()
-
-    def handed_on(self) -> bool:
-        """Whether a storage was handed to two or more blocks (as an argument to several,
-        or returned again by the block that received it, or a view of it)."""
-        entries = [*self.tracked.values(), *self.done]
-        return bool(self.many) or any(len(set(e.blocks)) >= 2 for e in entries)
 
     def remove(self) -> None:
         self.handle.remove()
