@@ -208,6 +208,38 @@ def test_a_batch_too_small_to_fit_is_profiled_from_pair_steps_never_the_unchecke
         assert "the pair steps held up to" in err
 
 
+def test_sizes_of_a_model_shapes_cannot_profile_are_profiled_from_pair_steps(capsys):
+    # remat.Shapes on a model that reads values (shapes alone cannot profile it), batch 2: each
+    # size is profiled from pair steps (the largest first: its profile gives the budget),
+    # never an unchecked step; each size's byte terms are its uniform steps'; every size's
+    # measured peak within the budget, and no profiling step held more than the budget
+    from remat.planner.shapes import Shapes, shape_plans
+
+    model, x = _routed()
+    shapes = Shapes(dims=1, multiple=64)
+    plans = shape_plans(model, Inputs(x), shapes, "70%", Loop(timer="flops"), quiet=True)
+    for n, got in plans.fit.profiles.items():
+        a, _ = shapes.cut(((x,), {}), 512, n)
+        uniform = measure.profile_loop(model, Inputs(*a), Loop(timer="flops"))
+        diff = measured_differences(json.loads(uniform.to_json()), json.loads(got.to_json()))
+        assert got.from_shapes and not diff, (n, diff[:5])
+    model, x = _routed()
+    unchecked = remat.measure_peak(model, x)
+    static = sum(p.nbytes for p in model.parameters()) + x.nbytes
+    with remat.memory.track() as t:
+        shaped = remat.auto_checkpoint(model, x, budget="70%", timer="flops", shapes=shapes)
+    err = capsys.readouterr().err
+    held = static + t.peak_bytes_by_device["cpu"]
+    # the three sizes, and one between them that checks the fit
+    assert err.count("two blocks kept at a time (never the unchecked step)") == 4, err
+    assert "the unchecked step among them" not in err
+    assert held <= shaped.budget_bytes < unchecked
+    for n in plans.fit.profiles:
+        a, _ = shapes.cut(((x,), {}), 512, n)
+        assert remat.measure_peak(model, *a) <= shaped.budget_bytes
+    shaped.remove()
+
+
 class _Shared(nn.Module):
     """Routed blocks that each receive a bias the model makes, in an autocast region that
     ends before backward."""

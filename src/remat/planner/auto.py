@@ -211,11 +211,19 @@ def _peak_and_scratch(
     loop: Loop,
     names: Sequence[str],
     device: torch.device | None = None,
+    *,
+    agree: bool = False,
 ) -> tuple[int, dict[Window, int] | None]:
     """:func:`measure_peak`'s two steps, the second also under the profiler: the peak and
     the scratch inside operators of each window (blocks ``names`` in call order; ``device``:
-    the model's, found by the caller)."""
+    the model's, found by the caller). ``agree``: under a process group, each window's
+    scratch is the largest over the ranks (ranks that planned again from their own scratch
+    could choose different plans and hang in their next collective)."""
     peaks, found = loop_peaks(model, inputs, loop, 2, scratch_of=names, device=device)
+    if agree and found is not None:
+        keys = sorted(found, key=str)
+        agree_same([str(k) for k in keys], "the windows of the plan's scratch")
+        found = dict(zip(keys, agree_max([found[k] for k in keys])))
     return max(peaks), found
 
 
@@ -534,11 +542,9 @@ def auto_checkpoint(
                 measured = _peak(model, inputs, loop, model_device)
             else:  # the second checked step also under the profiler, for the scratch
                 names = [b.name for b in prof.blocks]
-                measured, where = _peak_and_scratch(model, inputs, loop, names, model_device)
-                if agree and where is not None:  # each window's largest over the ranks, so
-                    keys = sorted(where, key=str)  # every rank plans again alike
-                    agree_same([str(k) for k in keys], "the windows of the plan's scratch")
-                    where = dict(zip(keys, agree_max([where[k] for k in keys])))
+                measured, where = _peak_and_scratch(
+                    model, inputs, loop, names, model_device, agree=agree
+                )
                 prof = located(prof, where)
                 scratch_known = True
                 moved = budget_of(prof, budget) - target  # a share's scratch is now known
@@ -649,7 +655,7 @@ def _auto_shapes(
                     f"{fmt_bytes(plans.plan_for(n).predicted_peak_bytes)})"
                 )
                 if n in unknown:  # the hook applied the plan at n: the scratch where it is
-                    peaks[n], scratch = _peak_and_scratch(model, at, loop, names)
+                    peaks[n], scratch = _peak_and_scratch(model, at, loop, names, agree=agree)
                     plans.fit.add_scratch(n, located(plans.fit.profiles[n], scratch))
                     unknown.discard(n)
                 else:

@@ -406,8 +406,11 @@ def shape_plans(
     The budget (``"40%"`` or bytes) is that of the largest size's step; under a process
     group of two or more ranks it is the smallest any rank asked for. Each size is profiled
     from shapes where the model can be (:class:`~remat.planner.shaped.ProfileSource`: no
-    real step runs), else in real steps; each profile is said on ``say`` (default: standard
-    error, unless ``quiet``).
+    real step runs), else in real steps that never include the unchecked step (pair steps,
+    or cut batches with a budget, as for one shape: the largest size first, whose profile
+    gives the budget in bytes), but for FSDP2's parameters, whose pair steps do not repeat
+    alike on every rank (uniform steps there); each profile is said on ``say`` (default:
+    standard error, unless ``quiet``).
     """
     if not isinstance(shapes, Shapes):
         raise TypeError(
@@ -423,7 +426,19 @@ def shape_plans(
             "Shapes(sizes=...)."
         )
     say = say or Progress("remat.auto_checkpoint", quiet)
-    source = ProfileSource(model, loop, agree=active(loop.distributed), device=None, say=say)
+    agree = active(loop.distributed)
+    known: list[int] = []  # the budget in bytes, once the largest size's profile gives it
+
+    def within(whole: Profile) -> int:
+        return known[0] if known else budget_of(whole, budget)
+
+    # where shapes cannot profile the model, the sizes' profiles hold no more than the budget
+    # where the model allows (pair steps, or cut batches: see ProfileSource), but FSDP2's,
+    # whose pair steps do not repeat on every rank (a window's edge moves between runs)
+    plain = all(type(p) is nn.Parameter for p in model.parameters())
+    source = ProfileSource(
+        model, loop, agree=agree, device=None, say=say, within=within if plain else False
+    )
     count = [0]
 
     def profile_at(size: int, timer: Timer) -> Profile:
@@ -434,10 +449,13 @@ def shape_plans(
 
     with say.active(), bar(len(knots), "profiling sizes", unit="size") as sizes:
         profiles = {}
-        for n in knots:
+        for n in sorted(knots, reverse=True):  # the largest first: its profile gives the budget
             profiles[n] = profile_at(n, loop.timer)
+            if not known:
+                first = budget_of(profiles[n], budget)
+                known.append(agree_min([first])[0] if agree else first)
             sizes.update()
-    fit = ShapeFit(profiles)
+    fit = ShapeFit(dict(sorted(profiles.items())))
     # Bytes do not depend on the timer: the checks count FLOPs, the cheapest steps.
     missed = fit.refine(
         lambda n: profile_at(n, "flops"), multiple=shapes.multiple, limit=shapes.checks
