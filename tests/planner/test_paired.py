@@ -23,6 +23,7 @@ from remat.planner import measure
 from remat.planner.grouped import pair_patterns
 from remat.planner.inputs import Inputs
 from remat.planner.loop import Loop
+from remat.planner.stepmodel import located
 from remat.planner.types import Decision
 from tests.support import families as F
 from tests.support.plans import measured_differences
@@ -238,6 +239,50 @@ def test_sizes_of_a_model_shapes_cannot_profile_are_profiled_from_pair_steps(cap
         a, _ = shapes.cut(((x,), {}), 512, n)
         assert remat.measure_peak(model, *a) <= shaped.budget_bytes
     shaped.remove()
+
+
+def test_remat_profile_paired_gives_the_uniform_byte_terms_and_never_holds_the_unchecked_step():
+    model, (x,), _ = _gpt()
+    uniform = remat.profile(model, x, timer="flops")
+    static = sum(p.nbytes for p in model.parameters()) + x.nbytes
+    with remat.memory.track() as t:
+        paired = remat.profile(model, x, timer="flops", paired=True)
+    assert static + t.peak_bytes_by_device["cpu"] < uniform.unchecked_peak_bytes
+    assert paired.from_shapes
+    diff = measured_differences(json.loads(uniform.to_json()), json.loads(paired.to_json()))
+    assert not diff, diff[:5]
+    # the same plans for the same budgets in bytes (the uniform profile's scratch left out)
+    bare = located(uniform, None)
+    for share in (0.7, 0.5, 0.3):
+        b = int(uniform.floor_bytes + share * (uniform.unchecked_peak_bytes - uniform.floor_bytes))
+        assert remat.plan(paired, b).decisions == remat.plan(bare, b).decisions
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"paired": "yes"}, "paired must be True or False, got 'yes'"),
+        ({"paired": True, "compile": True}, "paired=True is for a real model's eager steps"),
+    ],
+)
+def test_remat_profile_paired_refuses_what_it_cannot_pair(kwargs, match):
+    model, (x,), _ = _gpt()
+    with pytest.raises((TypeError, ValueError), match=match):
+        remat.profile(model, x, timer="flops", **kwargs)
+
+
+def test_remat_profile_paired_refuses_a_model_on_the_meta_device():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    with pytest.raises(ValueError, match="got a model on the meta device .*leave paired out"):
+        remat.profile(model, torch.empty(4, 8, device="meta"), timer="flops", paired=True)
+
+
+def test_remat_profile_paired_says_why_a_model_cannot_be_paired():
+    torch.manual_seed(0)
+    model = _Shared()
+    with pytest.raises(ValueError, match="pair steps cannot profile this model .*leave paired out"):
+        remat.profile(model, torch.randn(2, 16, 32, requires_grad=True), timer="flops", paired=True)
 
 
 class _Shared(nn.Module):

@@ -132,6 +132,7 @@ def profile(
     device: str | torch.device | None = None,
     calibration: str | None = None,
     compile: bool = False,
+    paired: bool = False,
     **kwargs: Any,
 ) -> Profile:
     """Measure a training step and each candidate block under each decision.
@@ -228,6 +229,14 @@ def profile(
             (``timer="measured"``; ``"time"``, the default, is taken as it, ``"flops"``
             is refused). Not from shapes (a model on the meta device) and not inside
             ``torch.autocast``.
+        paired: a real model whose unchecked step does not fit: no step holds every block
+            kept. The lines of ``keep``, ``selective`` and ``split`` are assembled from
+            *pair steps*, each with two blocks under the decision and the others recomputed
+            (:mod:`remat.planner.grouped`; ``len(blocks) - 1`` steps a decision): the same
+            byte terms as the uniform steps, no scratch inside operators measured
+            (``Profile.from_shapes``: ``auto_checkpoint`` measures it under the plan). A
+            model they cannot profile raises ``ValueError`` with the reason.
+            ``auto_checkpoint`` chooses this itself where shapes cannot profile a model.
         **kwargs: keyword inputs of the model.
 
     Example:
@@ -251,12 +260,26 @@ def profile(
     )  # fmt: skip
     if not isinstance(compile, bool):
         raise TypeError(f"remat.profile: compile must be True or False, got {compile!r}.")
+    if not isinstance(paired, bool):
+        raise TypeError(f"remat.profile: paired must be True or False, got {paired!r}.")
     loop = Loop(optimizer, set_to_none, loss_fn, check_fn, timer, distributed, compile)
     check_module(model, "remat.profile")
-    return profile_loop(
-        model, Inputs(*args, **kwargs), loop, decisions=decisions, repeats=repeats,
-        threads=threads, device=device, calibration=calibration,
-    )  # fmt: skip
+    if paired and (compile or is_meta(model, (args, kwargs))):
+        what = "compile=True" if compile else "a model on the meta device (profiled from shapes)"
+        raise ValueError(
+            f"remat.profile: paired=True is for a real model's eager steps, got {what}: "
+            "leave paired out."
+        )
+    try:
+        return profile_loop(
+            model, Inputs(*args, **kwargs), loop, decisions=decisions, repeats=repeats,
+            threads=threads, device=device, calibration=calibration, paired=paired,
+        )  # fmt: skip
+    except NotPaired as e:
+        raise ValueError(
+            f"remat.profile: paired=True: pair steps cannot profile this model ({e}); leave "
+            "paired out to profile it in uniform steps (its unchecked step among them)."
+        ) from None
 
 
 def profile_loop(
