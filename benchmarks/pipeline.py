@@ -8,15 +8,21 @@ One process per stage (gloo on CPU, one thread each) trains a GPT split into sta
 * ``every_layer``: every block of every stage checkpointed (what frameworks do);
 * ``remat``: each rank's stage planned by ``remat.plan_pipeline_stage`` for the budget.
 
-The budget is one number of bytes for every rank: the largest over the ranks of the
-``every_layer`` peak, plus ``--margin`` of the spread between it and the first stage's
-unchecked peak, so that every layer everywhere is needed on the first stage only (it holds
-the most microbatches). Each rank measures its peak with ``remat.memory`` over every step
-(absolute: parameters, gradients, AdamW state, the schedule's buffers, the batch,
-activations). A step's time is the largest over the ranks of each rank's median wall time
-of the steps after the first (the spread: the smallest and largest of rank 0's); its CPU time
-the sum over the ranks of each one's median process CPU time (the work, steadier on a
-shared machine where the ranks share cores). Read ratios, not values.
+The budget is one number of bytes for every rank (``_budget``): where it exists, the
+largest at which the first stage's plan is every layer while every other stage's plan
+recomputes less (``first-only``: each stage's plans bisected on its profile,
+``remat.bench.pipeline.needs_every_layer_below``), the budget the issue's speed criterion
+names; else (GPipe, where every stage holds every microbatch) the largest ``every_layer``
+peak over the ranks plus ``--margin`` of the spread up to the first stage's unchecked peak
+(``margin``). Each rank measures its peak with ``remat.memory`` over every step (absolute:
+parameters, gradients, AdamW state, the schedule's buffers, the batch, activations).
+``every_layer`` and ``remat`` then run interleaved, round by round (``rounds`` rounds of
+``steps`` timed steps, remat's plan made once); each round's ratio is remat's step time
+over every_layer's (each the slowest rank's median of the round): the table gives their
+median and range. A step's time is the largest over the ranks of each rank's median wall
+time of the steps after the first of each run; its CPU time the sum over the ranks of each
+one's median process CPU time (the work, steadier on a shared machine where the ranks share
+cores). Read ratios, not values.
 
 Run: python benchmarks/pipeline.py [--quick] [--json out.json]
 """
@@ -39,16 +45,47 @@ import torch.multiprocessing as mp
 
 import remat
 from remat.bench.models import ModelConfig
-from remat.bench.pipeline import RankResult, run_rank
+from remat.bench.pipeline import RankResult, needs_every_layer_below, run_rank
+from remat.planner.pipeline.solve import StagePlan
 
-QUICK = dict(layers=8, d_model=64, seq=32, batch=8, heads=2, vocab=256, microbatches=4, rounds=2)
-FULL = dict(layers=8, d_model=128, seq=64, batch=16, heads=4, vocab=256, microbatches=8, rounds=6)
+QUICK = dict(
+    layers=8, d_model=64, seq=32, batch=8, heads=2, vocab=256, microbatches=4, steps=2, rounds=2
+)
+FULL = dict(
+    layers=8, d_model=128, seq=64, batch=16, heads=4, vocab=256, microbatches=8, steps=3, rounds=9
+)
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _budget(
+    cfg: ModelConfig, rank: int, world: int, schedule: str, size: dict, none_peak: int,
+    every_peak: int, margin: float,
+) -> tuple[int, str]:
+    """One budget for every rank, and the rule that gave it.
+
+    ``first-only``: the largest budget at which the first stage's plan costs what every
+    layer recomputed costs, by its own prices (one byte below the smallest at which it costs
+    less; the plan may be another of that cost: a split block and a kept one), where every
+    other stage's plan costs less (the issue's "a budget where every layer everywhere is
+    needed only on the first stage"). Else ``margin``: the largest every-layer peak over the
+    ranks plus ``margin`` of the spread up to the first stage's unchecked peak."""
+    found = [torch.zeros(2, dtype=torch.long) for _ in range(world)]
+    mine = needs_every_layer_below(
+        cfg, rank=rank, stages=world, schedule=schedule, microbatches=size["microbatches"]
+    )
+    dist.all_gather(found, torch.tensor(mine))
+    below = int(found[0][1]) - 1
+    if world > 1 and all(int(f[1]) <= below for f in found[1:]):
+        return below, "first-only"
+    peaks = torch.tensor([every_peak, none_peak if rank == 0 else 0])
+    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    floor, top = int(peaks[0]), int(peaks[1])
+    return floor + int(margin * max(0, top - floor)), "margin"
 
 
 def _worker(
@@ -58,30 +95,39 @@ def _worker(
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        cfg = ModelConfig(**{k: v for k, v in size.items() if k not in ("microbatches", "rounds")})
+        skip = ("microbatches", "steps", "rounds")
+        cfg = ModelConfig(**{k: v for k, v in size.items() if k not in skip})
         common = dict(
-            rank=rank,
-            stages=world,
-            schedule=schedule,
-            microbatches=size["microbatches"],
-            steps=size["rounds"] + 1,
+            rank=rank, stages=world, schedule=schedule, microbatches=size["microbatches"]
         )
+        steps = size["steps"] + 1  # the first of each run is not timed
         results: dict[str, RankResult] = {}
-        results["none"] = run_rank(cfg, strategy="none", **common)
-        results["every_layer"] = run_rank(cfg, strategy="every_layer", **common)
-        # one budget for every rank: the largest every-layer peak, plus a share of the
-        # spread up to the first stage's unchecked peak
-        peaks = torch.tensor(
-            [results["every_layer"].peak_bytes, results["none"].peak_bytes if rank == 0 else 0]
+        results["none"] = run_rank(cfg, strategy="none", steps=steps, **common)
+        results["every_layer"] = run_rank(cfg, strategy="every_layer", steps=steps, **common)
+        budget, rule = _budget(
+            cfg, rank, world, schedule, size, results["none"].peak_bytes,
+            results["every_layer"].peak_bytes, margin,
         )
-        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-        floor, top = int(peaks[0]), int(peaks[1])
-        budget = floor + int(margin * max(0, top - floor))
-        results["remat"] = run_rank(cfg, strategy="remat", budget=budget, **common)
+        results["remat"] = run_rank(cfg, strategy="remat", budget=budget, steps=steps, **common)
+        plan = StagePlan.from_json(results["remat"].plan)
+        # the two compared ways interleaved, round by round (each round's ratio its own)
+        rounds: list[tuple[float, float]] = []
+        for _ in range(size["rounds"]):
+            got = {}
+            for name in ("every_layer", "remat"):
+                r = run_rank(cfg, strategy=name, steps=steps, plan=plan, budget=budget, **common)
+                res = results[name]
+                res.peak_bytes = max(res.peak_bytes, r.peak_bytes)
+                res.step_times += r.step_times
+                res.step_cpu_times += r.step_cpu_times
+                got[name] = statistics.median(r.step_times)
+            rounds.append((got["every_layer"], got["remat"]))
         for r in results.values():
             r.budget_bytes = budget
             r.grads = {}
-        torch.save({k: v.__dict__ for k, v in results.items()}, os.path.join(out, f"rank{rank}.pt"))
+        saved = {k: v.__dict__ for k, v in results.items()}
+        saved["rule"], saved["rounds"] = rule, rounds
+        torch.save(saved, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -97,6 +143,11 @@ def _run(schedule: str, stages: int, size: dict, margin: float) -> dict:
         per_rank = [
             torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(stages)
         ]
+    # per interleaved round, remat's step time over every_layer's (each the slowest rank's)
+    ratios = [
+        max(pr["rounds"][k][1] for pr in per_rank) / max(pr["rounds"][k][0] for pr in per_rank)
+        for k in range(len(per_rank[0]["rounds"]))
+    ]
     runs = {}
     for strategy in ("none", "every_layer", "remat"):
         ranks = [pr[strategy] for pr in per_rank]
@@ -109,6 +160,7 @@ def _run(schedule: str, stages: int, size: dict, margin: float) -> dict:
             "step_cpu_s": sum(statistics.median(r["step_cpu_times"]) for r in ranks),
             "step_time_spread_s": [min(ranks[0]["step_times"]), max(ranks[0]["step_times"])],
             "fits": all(r["peak_bytes"] <= r["budget_bytes"] for r in ranks),
+            "budget_rule": per_rank[0]["rule"],
             "ranks": [
                 {
                     "rank": r["rank"],
@@ -121,6 +173,7 @@ def _run(schedule: str, stages: int, size: dict, margin: float) -> dict:
                 for r in ranks
             ],
         }
+    runs[f"remat-{schedule}-{stages}"]["round_ratios_vs_every_layer"] = ratios
     return runs
 
 
@@ -142,12 +195,19 @@ def _table(runs: dict) -> str:
             f"{run['step_cpu_s']:>7.3f} {run['step_cpu_s'] / every_cpu:>9.2f} "
             f"{'yes' if run['fits'] else 'no':>5}  {peaks}"
         )
+        ratios = run.get("round_ratios_vs_every_layer")
+        if ratios:
+            lines.append(
+                f"{'':<22} budget by {run['budget_rule']!r}; per interleaved round, step time "
+                f"vs every_layer: median {statistics.median(ratios):.2f} "
+                f"[{min(ratios):.2f}-{max(ratios):.2f}] over {len(ratios)} rounds"
+            )
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a small GPT, 3 rounds: under 2 minutes")
+    ap.add_argument("--quick", action="store_true", help="a small GPT, 2 rounds: under 2 minutes")
     ap.add_argument("--margin", type=float, default=0.1, help="share of the spread above the floor")
     ap.add_argument("--json", default=None, help="write the runs to this file")
     args = ap.parse_args()

@@ -106,6 +106,70 @@ def _step(
         opt.step()
 
 
+def needs_every_layer_below(
+    cfg: ModelConfig,
+    *,
+    rank: int,
+    stages: int,
+    schedule: str,
+    microbatches: int,
+    seed: int = 0,
+    return_outputs: bool = True,
+    timer: Timer = "time",
+) -> tuple[int, int]:
+    """Stage ``rank``'s predicted peak with every block recomputed, and the smallest budget
+    at which its plan (:func:`~remat.planner.pipeline.solve.solve_stage`, priced by
+    ``timer`` as :func:`run_rank`'s plans are) costs less than that: below it, this stage
+    needs every layer. Nothing runs but the stage's profile.
+
+    Example:
+        >>> cfg = ModelConfig(layers=2, d_model=16, seq=128, batch=4, heads=2, vocab=32)
+        >>> every, less = needs_every_layer_below(cfg, rank=0, stages=2, schedule="1f1b",
+        ...     microbatches=2, timer="flops")
+        >>> every < less
+        True
+    """
+    from ..planner.pipeline.measure import profile_stage
+    from ..planner.pipeline.solve import solve_stage
+    from ..planner.stepmodel import predicted_cost
+    from ..planner.stepmodel.stage import stage_peak
+
+    example, target = microbatch(cfg, rank, stages, microbatches)
+    gpt = build(cfg, seed=seed)
+    assert isinstance(gpt, GPT)
+    module = GPTStage(gpt, rank, stages)
+    del gpt
+    sp = profile_stage(
+        module,
+        (example,),
+        schedule=schedule,
+        stage=rank,
+        stages=stages,
+        microbatches=microbatches,
+        loss_fn=lm_loss if target is not None else None,
+        target=target,
+        optimizer=torch.optim.AdamW(module.parameters()),
+        return_outputs=return_outputs,
+        timer=timer,
+    )
+    blocks = sp.freed.blocks
+
+    def peak(d: Decision) -> int:
+        return stage_peak(sp.freed, sp.kept, sp.sizes, sp.events, [d] * len(blocks)).bytes
+
+    every = predicted_cost(blocks, [Decision.RECOMPUTE] * len(blocks), [])
+    # bisect: the plans' costs do not rise with the budget
+    low, high = peak(Decision.RECOMPUTE), peak(Decision.KEEP)
+    while low < high:
+        mid = (low + high) // 2
+        plan = solve_stage(sp, mid)
+        if predicted_cost(blocks, list(plan.decisions.values()), plan.block_spans) < every:
+            high = mid
+        else:
+            low = mid + 1
+    return peak(Decision.RECOMPUTE), high
+
+
 def run_rank(
     cfg: ModelConfig,
     *,
@@ -120,6 +184,7 @@ def run_rank(
     timer: Timer = "time",
     seed: int = 0,
     return_outputs: bool = True,
+    plan: StagePlan | None = None,
 ) -> RankResult:
     """Run ``steps`` training steps of stage ``rank`` of ``stages`` (one rank each).
 
@@ -137,11 +202,14 @@ def run_rank(
         timer: the planner's cost measure.
         seed: the weights' seed (the dropout's is fixed per step).
         return_outputs: ``schedule.step(return_outputs=...)``.
+        plan: ``remat``: this plan (of an earlier run of the same stage) applied, none made.
     """
     from torch.distributed.pipelining import PipelineStage
 
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
+    if strategy != "remat":
+        plan = None
     first, last = rank == 0, rank == stages - 1
     mb = cfg.batch // microbatches
     example, example_target = microbatch(cfg, rank, stages, microbatches)
@@ -151,8 +219,9 @@ def run_rank(
         module = GPTStage(gpt, rank, stages)
         del gpt  # the other stages' modules are freed
         opt = torch.optim.AdamW(module.parameters())
-        plan: StagePlan | None = None
-        if strategy == "remat":
+        if strategy == "remat" and plan is not None:
+            plan.apply(module)
+        elif strategy == "remat":
             if budget is None:
                 raise ValueError("strategy 'remat' needs a budget.")
             plan = plan_pipeline_stage(
