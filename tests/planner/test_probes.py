@@ -503,3 +503,28 @@ def test_keep_lifetimes_finds_who_saves_a_shared_tensor_and_where_it_dies(ops, s
     assert probe.died.get(arg.role) == 3
     # the saved tensors were dropped: no block's activations outlived the forward
     assert t.current_bytes == 0
+
+
+def test_input_frees_counts_a_dead_output_whose_storage_key_a_later_input_took():
+    # block 0's output (received by block 1) died in block 1's window; a later storage took
+    # its key (the address of a freed StorageImpl is reused) and was handed to block 2 before
+    # freed[0] is read: the death is still block 0's output dying in the next block
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    frees = InputFrees(model, 3, [])
+    try:
+        y = torch.zeros(32)
+        ref = weakref.ref(y.untyped_storage())
+        key = 12345  # one key for both storages, as a reused address gives
+        frees.inputs[1] = [(ref, 128, key)]
+        frees._received(1)
+        del y
+        later = torch.zeros(32)
+        frees.inputs[2] = [(weakref.ref(later.untyped_storage()), 128, key)]
+        frees._received(2)
+        assert frees._freed(0, [(ref, 128, key)]) == 128
+        # handed on past the next block: not a free of the next block's (shared_inputs)
+        frees.tracked[key].blocks.append(3)
+        frees.done[0].blocks.append(3)
+        assert frees._freed(0, [(ref, 128, key)]) == 0
+    finally:
+        frees.remove()

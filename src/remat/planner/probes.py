@@ -508,15 +508,24 @@ class InputFrees:
         for ref, nbytes, key in passed:
             if ref() is not None:
                 continue
-            e = self.tracked.get(key)
+            e = self._entry(key, ref)
             if e is None or set(e.blocks) <= {i + 1}:
                 out += nbytes
         return out
 
+    def _entry(self, key: int, ref: weakref.ref[torch.UntypedStorage]) -> _Received | None:
+        """The tracked entry of the storage of ``ref`` (dead or alive), ``None`` if no block
+        received it: a dead storage's key may have been taken by a later storage, whose
+        entry is not this one's (weak references to one storage are one object)."""
+        e = self.tracked.get(key)
+        if e is not None and e.ref is ref:
+            return e
+        return next((d for d in self.done if d.ref is ref), None)
+
     def _received(self, i: int) -> None:
         for ref, nbytes, key in self.inputs[i]:
             e = self.tracked.get(key)
-            if e is not None and e.ref() is not ref():  # a dead storage's key, taken again
+            if e is not None and e.ref is not ref:  # a dead storage's key, taken again
                 self.done.append(e)
                 e = None
             if e is None:
