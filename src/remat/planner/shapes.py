@@ -408,9 +408,8 @@ def shape_plans(
     from shapes where the model can be (:class:`~remat.planner.shaped.ProfileSource`: no
     real step runs), else in real steps that never include the unchecked step (pair steps,
     or cut batches with a budget, as for one shape: the largest size first, whose profile
-    gives the budget in bytes), but for FSDP2's parameters, whose pair steps do not repeat
-    alike on every rank (uniform steps there); each profile is said on ``say`` (default:
-    standard error, unless ``quiet``).
+    gives the budget in bytes); each profile is said on ``say`` (default: standard error,
+    unless ``quiet``).
     """
     if not isinstance(shapes, Shapes):
         raise TypeError(
@@ -433,12 +432,8 @@ def shape_plans(
         return known[0] if known else budget_of(whole, budget)
 
     # where shapes cannot profile the model, the sizes' profiles hold no more than the budget
-    # where the model allows (pair steps, or cut batches: see ProfileSource), but FSDP2's,
-    # whose pair steps do not repeat on every rank (a window's edge moves between runs)
-    plain = all(type(p) is nn.Parameter for p in model.parameters())
-    source = ProfileSource(
-        model, loop, agree=agree, device=None, say=say, within=within if plain else False
-    )
+    # where the model allows (pair steps, or cut batches: see ProfileSource)
+    source = ProfileSource(model, loop, agree=agree, device=None, say=say, within=within)
     count = [0]
 
     def profile_at(size: int, timer: Timer) -> Profile:
