@@ -26,6 +26,7 @@ EXPECTED_ALL = [
     "ShapePlans",
     "Shapes",
     "StagePlan",
+    "StageShapePlans",
     "apply_activation_checkpointing",
     "auto_checkpoint",
     "check_backward_validity",

@@ -150,3 +150,61 @@ def test_a_stage_plans_spans_are_stored_as_spans_and_written_by_name():
     model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(3)])
     sp.apply(model)
     assert span_of(model[0]) is not None and span_of(model[2]) is None
+
+
+def _plan_shapes(budget: int, **kw):
+    stage = _stage()
+    x = torch.randn(2, 32, 64)  # 2 sequences of 32 tokens a microbatch: dims=1 varies
+    plans = remat.plan_pipeline_stage(
+        stage, x, stage_index=0, num_stages=2, schedule="1f1b", microbatches=4,
+        budget=budget, timer="flops", shapes=remat.Shapes(dims=1, sizes=(8, 16)), **kw,
+    )  # fmt: skip
+    return stage, plans
+
+
+def test_a_stage_is_planned_at_each_microbatch_size_for_one_budget():
+    _, loose = _plan_shapes(10**12)
+    top = loose.plans[32]
+    budget = (top.unchecked_peak_bytes + loose.plans[8].unchecked_peak_bytes) // 2
+    stage, plans = _plan_shapes(budget)
+    assert plans.sizes == [8, 16, 32]
+    assert all(p.predicted_peak_bytes <= budget for p in plans.plans.values())
+    # each size's plan is that size's own (one profile each): the short one keeps every block
+    assert all(d is remat.planner.types.Decision.KEEP for d in plans.plans[8].decisions.values())
+    assert plans.plans[32].decisions != plans.plans[8].decisions
+    assert plans.size_for(9) == 16 and plans.size_for(16) == 16 and plans.size_for(1) == 8
+    with pytest.raises(remat.PlanError, match="size 33 .* larger than the largest size this stage"):
+        plans.plan_for(33)
+
+
+def _checkpointed(stage: torch.nn.Module) -> list[bool]:
+    from remat.modules.wrap import is_wrapped
+
+    return [is_wrapped(b) for b in stage]
+
+
+def test_stage_shape_plans_switch_the_plan_by_each_forwards_microbatch_size():
+    _, loose = _plan_shapes(10**12)
+    budget = (loose.plans[32].unchecked_peak_bytes + loose.plans[8].unchecked_peak_bytes) // 2
+    stage, plans = _plan_shapes(budget)
+    plans.apply(stage)
+    assert plans.applied == 32
+    for n in (8, 20, 32):
+        stage(torch.randn(2, n, 64)).sum().backward()
+        assert plans.applied == plans.size_for(n)
+        ds = plans.plan_for(n).decisions.values()
+        assert _checkpointed(stage) == [d is not remat.planner.types.Decision.KEEP for d in ds]
+    with torch.no_grad():  # no gradients: no switch
+        stage(torch.randn(2, 8, 64))
+    assert plans.applied == 32
+    plans.remove()
+    stage(torch.randn(2, 8, 64)).sum().backward()
+    assert plans.applied == 32
+
+
+def test_plan_pipeline_stage_shapes_must_be_a_shapes():
+    with pytest.raises(TypeError, match="shapes must be a remat.Shapes, got tuple"):
+        remat.plan_pipeline_stage(
+            _stage(), torch.randn(2, 32, 64), stage_index=0, num_stages=2, schedule="1f1b",
+            microbatches=4, budget=10**9, timer="flops", shapes=(8, 16),
+        )  # fmt: skip

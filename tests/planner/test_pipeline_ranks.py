@@ -88,3 +88,52 @@ def test_each_stage_planned_exactly_within_its_budget(tmp_path, name):
         assert any(d != "keep" for d in p["decisions"].values()), (r, p["decisions"])
     # one plan per stage, for its own blocks
     assert len({res["planned"]["plan"] for res in results}) == stages
+
+
+#: Microbatches of two lengths (16 and 32 tokens, a bucket's worth between them) on two
+#: 1F1B stages: each rank's stage planned at both lengths for one budget.
+SHAPES_SEQS = (32, 16, 24)
+
+
+def _shapes_scenario(rank: int) -> dict:
+    from remat import Shapes
+    from remat.bench.pipeline import run_rank_shapes
+
+    common = dict(rank=rank, stages=2, schedule="1f1b", microbatches=4, timer="flops")
+    keep = run_rank(CFG, strategy="none", steps=2, **common)
+    every = run_rank(CFG, strategy="every_layer", steps=2, **common)
+    budget = keep.peak_bytes - int(SHARE * (keep.peak_bytes - every.peak_bytes))
+    shapes = Shapes(dims=1, sizes=(16,))
+    planned = run_rank_shapes(
+        CFG, seqs=SHAPES_SEQS, shapes=shapes, budget=budget, grads=True, **common
+    )
+    plain = run_rank_shapes(CFG, seqs=SHAPES_SEQS, shapes=None, grads=True, **common)
+    return {
+        "planned": {n: dataclasses.asdict(r) for n, r in planned.items()},
+        "grads_ref": {n: r.grads for n, r in plain.items()},
+        "budget": budget,
+    }
+
+
+SCENARIOS["shapes"] = _shapes_scenario
+
+
+def test_a_stage_planned_for_microbatches_of_two_lengths_switches_plans_within_its_budget(
+    tmp_path,
+):
+    results = ranks.run_ranks(tmp_path, __name__, "shapes", world=2, timeout_s=TIMEOUT_S)
+    for r, res in enumerate(results):
+        by_len = res["planned"]
+        for n, p in by_len.items():
+            assert p["peak_bytes"] <= res["budget"], (r, n, p["peak_bytes"], res["budget"])
+            if n in (16, 32):  # a planned length: its prediction to the byte
+                assert p["peak_bytes"] == p["predicted_bytes"], (r, n, p["peak_bytes"])
+            else:  # 24 tokens run the plan of 32, whose peak bounds theirs
+                assert p["plan"] == by_len[32]["plan"]
+                assert p["peak_bytes"] <= p["predicted_bytes"], (r, n)
+            assert p["grads"].keys() == res["grads_ref"][n].keys()
+            for k, g in p["grads"].items():
+                assert torch.equal(g, res["grads_ref"][n][k]), (r, n, k)
+    # the first stage (two microbatches in flight) checkpoints less at 16 tokens than at 32
+    first = results[0]["planned"]
+    assert first[16]["decisions"] != first[32]["decisions"], first

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from .. import memory
-from ..planner.pipeline import StagePlan, plan_pipeline_stage
+from ..planner.pipeline import StagePlan, StageShapePlans, plan_pipeline_stage
+from ..planner.shapes import Shapes
 from ..planner.types import Decision, Timer
 from .models import GPT, GPTStage, ModelConfig, build, lm_loss
 
@@ -170,6 +172,61 @@ def needs_every_layer_below(
     return peak(Decision.RECOMPUTE), high
 
 
+def _run_steps(
+    module: nn.Module,
+    opt: torch.optim.Optimizer,
+    tracker: Any,
+    cfg: ModelConfig,
+    seq: int,
+    *,
+    rank: int,
+    stages: int,
+    schedule: str,
+    microbatches: int,
+    steps: int,
+    grads: bool,
+    return_outputs: bool,
+) -> tuple[int, list[float], list[float], dict[str, torch.Tensor]]:
+    """Build the ``PipelineStage`` and schedule of ``module`` for microbatches of ``seq``
+    tokens and run ``steps`` steps of a batch of ``cfg.batch`` sequences under ``tracker``:
+    the largest peak, each step's wall and CPU time after the first, and (``grads``) the
+    gradients of one more step, unmeasured, its optimizer step not taken."""
+    from torch.distributed.pipelining import PipelineStage
+
+    first, last = rank == 0, rank == stages - 1
+    mb = cfg.batch // microbatches
+    example = microbatch(dataclasses.replace(cfg, seq=seq), rank, stages, microbatches)[0]
+    out_dim = cfg.vocab if last else cfg.d_model
+    stage = PipelineStage(
+        module,
+        rank,
+        stages,
+        torch.device("cpu"),
+        input_args=_meta(tuple(example.shape), example.dtype, not first),
+        output_args=_meta((mb, seq, out_dim), torch.float32, True),
+    )
+    del example
+    sched = _schedule_class(schedule)(stage, microbatches, loss_fn=lm_loss)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, cfg.vocab, (cfg.batch, seq + 1), generator=g)
+    x = tokens[:, :-1].contiguous() if first else None
+    y = tokens[:, 1:].contiguous() if last else None
+    del tokens
+    peak, times, cpu = 0, [], []
+    for i in range(steps):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        _step(sched, opt, i, x, y, before=tracker.reset_peak, return_outputs=return_outputs)
+        if i:
+            times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
+        peak = max(peak, tracker.peak_bytes)
+    found: dict[str, torch.Tensor] = {}
+    if grads:
+        _step(sched, opt, steps, x, y, optimizer_step=False, return_outputs=return_outputs)
+        found = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+    return peak, times, cpu, found
+
+
 def run_rank(
     cfg: ModelConfig,
     *,
@@ -204,14 +261,10 @@ def run_rank(
         return_outputs: ``schedule.step(return_outputs=...)``.
         plan: ``remat``: this plan (of an earlier run of the same stage) applied, none made.
     """
-    from torch.distributed.pipelining import PipelineStage
-
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
     if strategy != "remat":
         plan = None
-    first, last = rank == 0, rank == stages - 1
-    mb = cfg.batch // microbatches
     example, example_target = microbatch(cfg, rank, stages, microbatches)
     with memory.track() as tracker:
         gpt = build(cfg, seed=seed)
@@ -244,35 +297,12 @@ def run_rank(
 
             for block in module.blocks:
                 apply_decision(block, Decision.RECOMPUTE)
-        out_dim = cfg.vocab if last else cfg.d_model
-        stage = PipelineStage(
-            module,
-            rank,
-            stages,
-            torch.device("cpu"),
-            input_args=_meta(tuple(example.shape), example.dtype, not first),
-            output_args=_meta((mb, cfg.seq, out_dim), torch.float32, True),
-        )
-        sched = _schedule_class(schedule)(stage, microbatches, loss_fn=lm_loss)
-        g = torch.Generator().manual_seed(1)
-        tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq + 1), generator=g)
-        x = tokens[:, :-1].contiguous() if first else None
-        y = tokens[:, 1:].contiguous() if last else None
-        del tokens, example, example_target
-        peak, times, cpu = 0, [], []
-        for i in range(steps):
-            start, start_cpu = time.perf_counter(), time.process_time()
-            _step(sched, opt, i, x, y, before=tracker.reset_peak, return_outputs=return_outputs)
-            if i:
-                times.append(time.perf_counter() - start)
-                cpu.append(time.process_time() - start_cpu)
-            peak = max(peak, tracker.peak_bytes)
-    first_grads: dict[str, torch.Tensor] = {}
-    if grads:  # one more step, unmeasured: its gradients
-        _step(sched, opt, steps, x, y, optimizer_step=False, return_outputs=return_outputs)
-        first_grads = {
-            n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None
-        }
+        del example, example_target
+        ran = _run_steps(
+            module, opt, tracker, cfg, cfg.seq, rank=rank, stages=stages, schedule=schedule,
+            microbatches=microbatches, steps=steps, grads=grads, return_outputs=return_outputs,
+        )  # fmt: skip
+    peak, times, cpu, first_grads = ran
     decisions = (
         {n: str(d) for n, d in plan.decisions.items()}
         if plan
@@ -293,3 +323,71 @@ def run_rank(
         grads=first_grads,
         plan=plan.to_json() if plan else "",
     )
+
+
+def run_rank_shapes(
+    cfg: ModelConfig,
+    *,
+    rank: int,
+    stages: int,
+    schedule: str,
+    microbatches: int,
+    seqs: Sequence[int],
+    shapes: Shapes | None,
+    budget: int | None = None,
+    steps: int = 3,
+    grads: bool = False,
+    timer: Timer = "time",
+    seed: int = 0,
+) -> dict[int, RankResult]:
+    """Stage ``rank`` planned for microbatches of several lengths (``cfg.seq`` the largest:
+    ``plan_pipeline_stage(..., shapes=shapes)``; ``shapes=None``: no checkpointing), then, for
+    each length of ``seqs`` in turn, its schedule built for that length and ``steps`` steps
+    run (as :func:`run_rank` does), all on one stage module and optimizer: each length's
+    result, its prediction the plan that length runs (``StageShapePlans.plan_for``)."""
+    out: dict[int, RankResult] = {}
+    with memory.track() as tracker:
+        gpt = build(cfg, seed=seed)
+        assert isinstance(gpt, GPT)
+        module = GPTStage(gpt, rank, stages)
+        del gpt
+        opt = torch.optim.AdamW(module.parameters())
+        plans: StageShapePlans | None = None
+        if shapes is not None:
+            if budget is None:
+                raise ValueError("run_rank_shapes: shapes needs a budget.")
+            example, target = microbatch(cfg, rank, stages, microbatches)
+            plans = plan_pipeline_stage(
+                module, example, stage_index=rank, num_stages=stages, schedule=schedule,
+                microbatches=microbatches, budget=budget, loss_fn=lm_loss, target=target,
+                optimizer=opt, timer=timer, shapes=shapes,
+            )  # fmt: skip
+            del example, target
+            plans.apply(module)
+        for seq in seqs:
+            peak, times, cpu, _ = _run_steps(
+                module, opt, tracker, cfg, seq, rank=rank, stages=stages, schedule=schedule,
+                microbatches=microbatches, steps=steps, grads=False, return_outputs=True,
+            )  # fmt: skip
+            plan = plans.plan_for(seq) if plans is not None else None
+            out[seq] = RankResult(
+                rank=rank,
+                peak_bytes=peak,
+                predicted_bytes=plan.predicted_peak_bytes if plan else None,
+                budget_bytes=budget,
+                decisions={n: str(d) for n, d in plan.decisions.items()} if plan else {},
+                step_times=times,
+                step_cpu_times=cpu,
+                spans=[list(sp) for sp in plan.spans] if plan else [],
+                plan=plan.to_json() if plan else "",
+            )
+        # the gradients after every length was measured (their copies, kept for the
+        # caller, would be counted in the later lengths' peaks)
+        for seq in seqs if grads else ():
+            out[seq].grads = _run_steps(
+                module, opt, tracker, cfg, seq, rank=rank, stages=stages, schedule=schedule,
+                microbatches=microbatches, steps=0, grads=True, return_outputs=True,
+            )[3]  # fmt: skip
+        if plans is not None:
+            plans.remove()
+    return out

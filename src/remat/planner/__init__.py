@@ -65,7 +65,7 @@ Words, each with one meaning here:
 from .auto import auto_checkpoint, measure_peak
 from .inputs import Inputs
 from .measure import profile
-from .pipeline import StagePlan, plan_pipeline_stage
+from .pipeline import StagePlan, StageShapePlans, plan_pipeline_stage
 from .shapes import ShapePlans, Shapes
 from .solve import Plan, Profile, plan
 
@@ -76,6 +76,7 @@ __all__ = [
     "ShapePlans",
     "Shapes",
     "StagePlan",
+    "StageShapePlans",
     "auto_checkpoint",
     "measure_peak",
     "plan",

@@ -29,24 +29,34 @@ module, the schedule and the rank's batch allocate; not what gloo or NCCL alloca
 their sends, nor the scratch inside operators (which :func:`remat.plan` adds on GPUs).
 Modelled: ``ScheduleGPipe`` and ``Schedule1F1B`` of torch 2.13 (single stage per rank),
 stages that send one tensor, the loop ``optimizer.zero_grad(); schedule.step(...);
-optimizer.step()`` with the returned outputs dropped.
+optimizer.step()`` with the returned outputs dropped. Microbatches of several lengths
+(``shapes=``): a plan per size, switched by each microbatch's size (:mod:`.shaped`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import nn
 
+from ..shapes import Shapes
 from ..stepmodel import parse_budget
 from ..stepmodel.schedule import SCHEDULES
 from ..types import Timer
 from .measure import StageProfile, profile_stage
+from .shaped import StageShapePlans, plan_stage_shapes
 from .solve import StagePlan, solve_stage
 
-__all__ = ["StagePlan", "StageProfile", "plan_pipeline_stage", "profile_stage", "solve_stage"]
+__all__ = [
+    "StagePlan",
+    "StageProfile",
+    "StageShapePlans",
+    "plan_pipeline_stage",
+    "profile_stage",
+    "solve_stage",
+]
 
 
 def _schedule_name(schedule: str | type) -> str:
@@ -58,6 +68,44 @@ def _schedule_name(schedule: str | type) -> str:
             f"ScheduleGPipe, Schedule1F1B), got {schedule!r}."
         )
     return name
+
+
+@overload
+def plan_pipeline_stage(
+    stage: Any,
+    *args: Any,
+    schedule: str | type,
+    microbatches: int,
+    budget: int | str,
+    stage_index: int | None = None,
+    num_stages: int | None = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    target: Any = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    return_outputs: bool = True,
+    timer: Timer = "time",
+    max_span: int = 16,
+    shapes: None = None,
+) -> StagePlan: ...
+
+
+@overload
+def plan_pipeline_stage(
+    stage: Any,
+    *args: Any,
+    schedule: str | type,
+    microbatches: int,
+    budget: int | str,
+    stage_index: int | None = None,
+    num_stages: int | None = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    target: Any = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    return_outputs: bool = True,
+    timer: Timer = "time",
+    max_span: int = 16,
+    shapes: Shapes,
+) -> StageShapePlans: ...
 
 
 def plan_pipeline_stage(
@@ -74,7 +122,8 @@ def plan_pipeline_stage(
     return_outputs: bool = True,
     timer: Timer = "time",
     max_span: int = 16,
-) -> StagePlan:
+    shapes: Shapes | None = None,
+) -> StagePlan | StageShapePlans:
     """Plan this rank's pipeline stage for ``budget`` bytes: the cheapest checkpointing of
     its blocks whose step (every microbatch of ``schedule``, then ``optimizer.step()``)
     peaks within it.
@@ -103,9 +152,16 @@ def plan_pipeline_stage(
         return_outputs: as the loop calls ``schedule.step(return_outputs=...)``.
         timer: the cost measure, as :func:`remat.profile` takes it.
         max_span: the longest span of blocks one checkpoint may cover.
+        shapes: microbatches of varying size (``remat.Shapes(dims=1, sizes=(512, 1024))``;
+            ``args`` and ``target`` at the largest): the stage is planned at each of its
+            sizes for the same budget, and a :class:`StageShapePlans` returned, whose
+            ``apply(module)`` switches plans by each microbatch's size
+            (:mod:`.shaped`: the sizes are agreed across ranks; ``Shapes.larger`` and
+            ``checks`` are not used: a larger microbatch raises ``PlanError``).
 
     Returns:
-        The :class:`StagePlan` (its ``predicted_peak_bytes`` is this rank's).
+        The :class:`StagePlan` (its ``predicted_peak_bytes`` is this rank's); with
+        ``shapes``, the :class:`StageShapePlans`.
 
     Raises:
         PlanError: no plan fits the budget.
@@ -136,6 +192,23 @@ def plan_pipeline_stage(
             "be a share of."
         )
     limit = parse_budget(budget, 0, 1)
+    if shapes is not None:
+        return plan_stage_shapes(
+            module,
+            args,
+            shapes,
+            schedule=name,
+            stage=int(index),
+            stages=int(count),
+            microbatches=microbatches,
+            budget=limit,
+            loss_fn=loss_fn,
+            target=target,
+            optimizer=optimizer,
+            return_outputs=return_outputs,
+            timer=timer,
+            max_span=max_span,
+        )
     sp = profile_stage(
         module,
         args,
