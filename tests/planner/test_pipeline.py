@@ -208,3 +208,25 @@ def test_plan_pipeline_stage_shapes_must_be_a_shapes():
             _stage(), torch.randn(2, 32, 64), stage_index=0, num_stages=2, schedule="1f1b",
             microbatches=4, budget=10**9, timer="flops", shapes=(8, 16),
         )  # fmt: skip
+
+
+def test_a_data_parallel_stage_module_is_refused_with_the_reason(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        for wrap, what in (
+            (lambda m: fully_shard(m), "sharded"),
+            (lambda m: DDP(m), "wrapped in DistributedDataParallel"),
+        ):
+            stage = wrap(_stage())
+            with pytest.raises(ValueError, match=f"module is {what}.*not planned yet"):
+                remat.plan_pipeline_stage(
+                    stage, torch.randn(16, 64), stage_index=0, num_stages=2,
+                    schedule="1f1b", microbatches=4, budget=10**9, timer="flops",
+                )  # fmt: skip
+    finally:
+        dist.destroy_process_group()

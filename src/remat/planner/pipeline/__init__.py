@@ -59,6 +59,30 @@ __all__ = [
 ]
 
 
+def _refuse_data_parallel(module: nn.Module) -> None:
+    """Raise ``ValueError`` for a stage module data-parallel inside its stage (FSDP2, DDP):
+    the schedule changes how they hold parameters and gradients between microbatches
+    (FSDP2 keeps the parameters gathered and the gradients unsharded from the first
+    backward to the last; DDP reduces only the last), which the stage model does not count,
+    so its prediction would be wrong."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(module, DistributedDataParallel):
+        what = "wrapped in DistributedDataParallel"
+    elif any(type(p) is not nn.Parameter for p in module.parameters()):
+        what = "sharded (FSDP2's fully_shard, or parameters of a tensor subclass)"
+    else:
+        return
+    raise ValueError(
+        f"remat.plan_pipeline_stage: the stage's module is {what}: data parallelism inside "
+        "a pipeline stage is not planned yet (the schedule keeps FSDP2's parameters gathered "
+        "and its gradients unsharded between microbatches, and DDP reduces only the last; "
+        "the stage model does not count either). Plan the stage's plain module before "
+        "wrapping it, knowing the prediction leaves those bytes out, or plan one stage per "
+        "rank without data parallelism."
+    )
+
+
 def _schedule_name(schedule: str | type) -> str:
     name = schedule if isinstance(schedule, str) else schedule.__name__
     name = name.lower().removeprefix("schedule")
@@ -184,6 +208,7 @@ def plan_pipeline_stage(
             f"with stage_index= and num_stages=; got {type(stage).__name__} with "
             f"stage_index={index!r}, num_stages={count!r}."
         )
+    _refuse_data_parallel(module)
     name = _schedule_name(schedule)
     if isinstance(budget, str) and budget.strip().endswith("%"):
         raise ValueError(
