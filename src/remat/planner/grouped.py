@@ -36,10 +36,11 @@ where the uniform ``keep`` line may free it as forward returns. Where it lives w
 block kept is read in one forward whose saved tensors are recorded and dropped
 (:func:`~remat.planner.probes.keep_lifetimes`: :class:`KeptShared`), and the ``keep`` line's
 backward windows and its last window after the model's return (which pair steps record
-apart: ``Timeline.top_ret_peak``) count it as there; one that dies in a forward window
+apart: ``Timeline.top_ret_peak``, and from the end of an autocast region after it, the
+loop's: ``Timeline.top_mid_peak``) count it as there; one that dies in a forward window
 with every block kept (T5's position bias, as the encoder returns) leaves that window's
-block that much less alive. With an autocast region that ends before backward too, the
-model is not profiled from pair steps (:class:`NotPaired`).
+block that much less alive. With an autocast region that ends inside the model's forward
+(before its return) too, the model is not profiled from pair steps (:class:`NotPaired`).
 """
 
 from __future__ import annotations
@@ -265,13 +266,19 @@ def assemble(steps: Sequence[PairStep], kept: KeptShared | None = None) -> Timel
         v.top_peak -= sum(v.exit_freed) - sum(last.exit_freed)
     v.top_grads = last.top_grads
     v.top_pre_peak = None if last.top_pre_peak is None else start + last.top_pre_peak - last.top_start
-    v.top_ret_peak = None
+    v.top_ret_peak = v.top_mid_peak = None
     if kept is not None and last.top_ret_peak is not None:
         # the storages handed to several blocks die as forward returns unless a kept block
         # saved them, where the pair step's recomputed blocks hold them on
-        pre, post = last.top_ret_peak, max(last.top_peak, last.top_ret_peak)
         gone = kept.late(mine[-1].alive_return) - kept.alive_return()
-        v.top_peak = max(start + pre - last.top_start, start + post - last.top_start - gone)
+        if last.top_mid_peak is not None:  # an autocast region ended after the return
+            assert v.top_pre_peak is not None
+            pre = max(last.top_ret_peak, last.top_mid_peak - gone)
+            v.top_pre_peak = start + pre - last.top_start
+            v.top_peak -= gone
+        else:
+            pre, post = last.top_ret_peak, max(last.top_peak, last.top_ret_peak)
+            v.top_peak = max(start + pre - last.top_start, start + post - last.top_start - gone)
     # under the decision, in its line (the storages it kills with every block kept, dead)
     held = [_into_backward(s, i) - dying[i] for i, s in enumerate(mine)]
     for i, s in enumerate(mine):

@@ -755,10 +755,11 @@ def _kept_shared(probe: SharedArgs, n: int, last: Timeline) -> KeptShared:
     where an autocast region ends between the last block and backward (``last``: the last
     pair step's line), whose window the pair steps do not split at the region's end and the
     model's return both."""
-    if last.top_pre_peak is not None:
+    if last.top_pre_peak is not None and last.top_mid_peak is None:
         raise NotPaired(
-            "an autocast region ends before backward and a tensor is handed to several "
-            "blocks: the pair steps do not split the last window at both"
+            "an autocast region ends inside the model's forward, after its blocks, and a "
+            "tensor is handed to several blocks: the pair steps do not split the last "
+            "window at both"
         )
     nbytes: dict[tuple[int, int], int] = {}
     for a in probe.shared():

@@ -303,8 +303,8 @@ class TimelineProbe(WindowProbe):
         ``window`` (the bytes at its start go to its terms)."""
         peak = self.tracker.close_window(self.window)
         line, (kind, i) = self.line, (self.current.kind, self.current.block)
-        if kind is WindowKind.TOP and line.top_ret_peak is not None:
-            peak = max(peak, line.top_ret_peak)
+        if kind is WindowKind.TOP and line.top_ret_peak is not None and line.top_mid_peak is None:
+            peak = max(peak, line.top_ret_peak)  # the model returned after any region's end
         put_peak(line, self.current, peak, grad_bytes(self.params, self.counted))
         if kind is WindowKind.FWD:  # the window's part after the block returned was open
             line.fwd_peak[i], line.fwd_tail[i] = max(peak, self.inner), peak
@@ -352,6 +352,9 @@ class TimelineProbe(WindowProbe):
         line, tracker = self.line, self.tracker
         if line.top_pre_peak is None:
             line.top_pre_peak = tracker.close_window(self.window)
+            if line.top_ret_peak is not None:  # the model returned before: its part apart
+                line.top_mid_peak = line.top_pre_peak
+                line.top_pre_peak = max(line.top_ret_peak, line.top_mid_peak)
             self.window = tracker.open_window()
             line.exit_freed = [0] * len(line.fwd_start)
         for seq, nbytes in tracker.freed_by(self.real_clear):

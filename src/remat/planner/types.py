@@ -453,6 +453,11 @@ class Timeline:
     #: end where one ended before it), where a pair step recorded it (``None``: not recorded;
     #: ``top_peak`` is the whole window's either way).
     top_ret_peak: int | None = None
+    #: Where a pair step recorded the model's return (``top_ret_peak``) and an autocast
+    #: region ended after it (the loop's region, around forward and loss): the ``top``
+    #: window's peak between the two (``top_pre_peak`` is then the larger of the two parts
+    #: before the region's end, as a uniform step records it). ``None``: not recorded.
+    top_mid_peak: int | None = None
     exit_freed: list[int] = dataclasses.field(default_factory=list)
     #: Per block but the last, the bytes of its outputs that the next block did not receive
     #: (the blocks are not one chain there: two towers), alive when the last block returns
