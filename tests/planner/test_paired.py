@@ -366,11 +366,15 @@ def scenario_ranks(rank: int) -> dict[str, list[tuple[str, Any, Any]]]:
     # four runs a block's gathered parameters landed on the other side of a window's edge
     # (the last window, or a split block's): equal otherwise (CHANGELOG)
     out = {}
-    for name, make in makers.items():
+    for name, make in [*makers.items(), ("ddp-plain-amp", makers["ddp-plain"])]:
         seen = []
+        amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=name.endswith("-amp"))
         for paired in (False, True):
             torch.manual_seed(0)
-            prof = measure.profile_loop(make(), Inputs(x), Loop(timer="flops"), paired=paired)
+            with amp:  # the loop's mixed-precision region, the usual recipe under DDP
+                prof = measure.profile_loop(
+                    make(), Inputs(x), Loop(timer="flops"), paired=paired
+                )
             seen.append(json.loads(prof.to_json()))
         out[name] = measured_differences(*seen)
     return out
