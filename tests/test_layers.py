@@ -30,10 +30,8 @@ PACKAGE_LAYERS = [
     "__main__",
 ]
 
-#: The imports that climb, each with why. ``measure.verify`` prints bytes in the plan table's
-#: units (the figures of ``remat verify`` and ``remat plan`` read alike).
+#: The imports that climb, each with why.
 UPWARD = {
-    ("measure/verify.py", "remat.planner.render"),
     # ``Shapes`` is checked and read below the module that defines it, imported when used
     # (``shapes`` builds on the planner's steps): the planner's two cycles left, named here
     # so that no third one comes in unseen.

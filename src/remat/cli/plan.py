@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ..engine.bytes import fmt_bytes as _fmt
 from ..engine.errors import PlanError
 from ..modules.modelinfo import device_of
 from ..planner import advice
@@ -48,7 +49,6 @@ from ..planner.loop import Loop
 from ..planner.measure import plan_scratch, profile
 from ..planner.meta import is_meta, one_sequence_a_row
 from ..planner.progress import Progress
-from ..planner.render import fmt_bytes as _fmt
 from ..planner.shaped import ProfileSource
 from ..planner.shapes import Shapes, shape_plans
 from ..planner.solve import plan

@@ -28,12 +28,12 @@ import os
 import sys
 from typing import Any
 
+from ..engine.bytes import fmt_bytes
 from ..engine.errors import PlanError
 from ..measure.verify import verify
 from ..planner.auto import measure_peak
 from ..planner.measure import profile
 from ..planner.meta import is_meta
-from ..planner.render import fmt_bytes
 from ..planner.solve import Plan, plan
 from ..planner.stepmodel import parse_budget
 from ._blocks import add_blocks_argument, blocks_filter, for_the_shell, parse_blocks

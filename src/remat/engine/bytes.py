@@ -283,3 +283,17 @@ def dense_bytes(t: torch.Tensor) -> int:
         (16, 36)
     """
     return t.numel() * t.element_size()
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes with a binary prefix, two decimals: the units of every figure remat prints
+    (plans, explanations, verification).
+
+    Example:
+        >>> fmt_bytes(512), fmt_bytes(3 * 2**20), fmt_bytes(-2048)
+        ('512 B', '3.00 MiB', '-2.00 KiB')
+    """
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"

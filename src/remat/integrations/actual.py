@@ -49,9 +49,9 @@ import torch
 from torch import nn
 
 from .. import memory
+from ..engine.bytes import fmt_bytes
 from ..engine.tree import tensors_in
 from ..modules.modelinfo import device_of
-from ..planner.render import fmt_bytes
 from ..planner.state import optimizer_tensors, trainable
 
 __all__ = ["PeakCheck", "PeakMeter"]

@@ -22,6 +22,5 @@ diagnostics); imports run one way, each module importing only those before it::
   (:class:`~remat.Diagnostic`).
 * :mod:`.explain`: :func:`~remat.explain`, what a step keeps for backward and why;
   :mod:`.verify`: :func:`~remat.verify`, one step with checkpointing and one without,
-  compared (it formats bytes as the plan's table does, :func:`remat.planner.render.fmt_bytes`:
-  the one import above this package).
+  compared (bytes formatted as every figure remat prints, :func:`remat.engine.bytes.fmt_bytes`).
 """

@@ -31,6 +31,7 @@ import enum
 
 from torch import nn
 
+from ..engine.bytes import fmt_bytes
 from ..modules.split import is_split
 from .probe import StepProbe
 from .records import Alloc
@@ -83,20 +84,6 @@ class Diagnostic:
     def to_dict(self) -> dict[str, str]:
         """``{"kind", "module", "message"}`` for JSON."""
         return {"kind": self.kind.value, "module": self.module, "message": self.message}
-
-
-def fmt_bytes(n: float) -> str:
-    """Bytes for people: ``512 B``, ``1.5 KiB``, ``12.0 MiB``.
-
-    Example:
-        >>> fmt_bytes(3 * 2**20)
-        '3.0 MiB'
-    """
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
 
 
 def related(a: str, b: str) -> bool:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from .. import memory
+from ..engine.bytes import fmt_bytes
 from ..engine.config import disable_checkpointing
 from ..engine.tree import tensors_in
 from ..modules.modelinfo import (
@@ -39,7 +40,7 @@ from ..modules.modelinfo import (
     rng_state,
     set_rng_state,
 )
-from .diagnose import Diagnostic, diagnose_step, fmt_bytes
+from .diagnose import Diagnostic, diagnose_step
 from .probe import StepProbe
 from .records import UNKNOWN, Alloc, Reason, RegionStats
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .. import memory
-from ..engine.bytes import storage_bytes
+from ..engine.bytes import fmt_bytes, storage_bytes
 from ..engine.config import disable_checkpointing
 from ..engine.tree import replace_tensors, tensors_in
 from ..modules.modelinfo import (
@@ -24,7 +24,6 @@ from ..modules.modelinfo import (
     rng_state,
     set_rng_state,
 )
-from ..planner.render import fmt_bytes  # the plan table's units: the figures read alike
 from .diagnose import Diagnostic, diagnose_step
 from .probe import StepProbe
 

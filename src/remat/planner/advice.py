@@ -29,10 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..engine.bytes import fmt_bytes
 from ..measure.diagnose import LOSS_HEAD_SHARE, Diagnostic, Kind, hf_checkpointing, related
 from ..modules.wrap import is_wrapped
 from .apply import split_children
-from .render import fmt_bytes
 from .stepmodel import attribution, head_bytes, plan_terms
 from .types import Decision, Phase, PlanData, ProfileData, SpanLike, StepPeak
 

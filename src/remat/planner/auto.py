@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .. import memory
-from ..engine.bytes import storage_bytes
+from ..engine.bytes import fmt_bytes, storage_bytes
 from ..engine.errors import PlanError
 from ..engine.tree import tensors_in
 from ..memory import BlockHooks
@@ -32,7 +32,6 @@ from .meta import check_not_mixed, is_meta
 from .probes import WindowMarks
 from .progress import Progress
 from .regional import compiled_level, refuse_process_group
-from .render import fmt_bytes
 from .scratch import mark_window, profiled, window_scratch
 from .shaped import ProfileSource
 from .shapes import ShapePlans, Shapes, shape_plans

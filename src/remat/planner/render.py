@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from ..engine.bytes import fmt_bytes
 from .types import Phase, PlanData, StepPeak
 
 #: What a step peak counts, said under every figure of one (the plan's table): the one
@@ -19,19 +20,6 @@ STEP_PEAK = (
 
 #: Below this share of the unchecked step's activations in the blocks, the table warns.
 LOW_SHARE = 0.5
-
-
-def fmt_bytes(n: int) -> str:
-    """Bytes with a binary prefix.
-
-    Example:
-        >>> fmt_bytes(512), fmt_bytes(3 * 2**20), fmt_bytes(-2048)
-        ('512 B', '3.00 MiB', '-2.00 KiB')
-    """
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
 
 
 def lever(phase: Phase | None, where: str) -> str:

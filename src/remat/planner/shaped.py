@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..engine.bytes import storage_bytes
+from ..engine.bytes import fmt_bytes, storage_bytes
 from ..engine.errors import PlanError
 from ..engine.tree import tensors_in
 from ..modules.modelinfo import candidates, device_of
@@ -36,7 +36,6 @@ from .inputs import Inputs
 from .loop import Loop
 from .meta import AutocastInForward, is_meta, on_meta, twin
 from .progress import Progress
-from .render import fmt_bytes
 from .shapefit import ShapeFit
 from .solve import Profile
 from .stepmodel import located

@@ -40,6 +40,7 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 
+from ..engine.bytes import fmt_bytes
 from ..engine.errors import PlanError
 from ..engine.tree import replace_tensors, tensors_in
 from .apply import restore_state, snapshot_state
@@ -47,7 +48,6 @@ from .distributed import active, agree_max, agree_min
 from .inputs import Inputs
 from .loop import Loop
 from .progress import Progress, bar
-from .render import fmt_bytes
 from .shaped import ProfileSource
 from .shapefit import ShapeFit
 from .solve import Plan, Profile, plan

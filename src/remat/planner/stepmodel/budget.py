@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 
-from ..render import fmt_bytes
+from ...engine.bytes import fmt_bytes
 from ..types import ProfileData
 from .peak import unchecked_peak
 
