@@ -159,9 +159,9 @@ def test_hugging_face_llms_inside_the_loops_autocast_region_are_never_below_the_
     name,
 ):
     # a tensor the blocks receive that dies in the last window before the model returns
-    # (512 B on Llama, NeoX, Mixtral; T5's bias) is held on by the pair steps' recomputed
-    # blocks: high there by at most its bytes, equal everywhere else (BERT: 16 KiB high in
-    # the last window and its backward, not traced)
+    # (512 B on Llama, NeoX, Mixtral; T5's bias; BERT's embedding output, which its
+    # BertModel holds until it returns and block 0 saves only as bf16 casts) is held on by
+    # the pair steps' recomputed blocks: high there by at most its bytes, equal elsewhere
     with torch.autocast("cpu", dtype=torch.bfloat16):
         uniform, paired = _profile(_hf(name), False), _profile(_hf(name), True)
     diff = measured_differences(uniform, paired)
