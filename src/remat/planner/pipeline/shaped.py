@@ -67,8 +67,8 @@ class StageShapePlans:
     shapes: Shapes
     plans: dict[int, StagePlan]
     applied: int | None = None
-    _module: nn.Module | None = dataclasses.field(default=None, repr=False)
-    _handle: Any = dataclasses.field(default=None, repr=False)
+    _module: nn.Module | None = dataclasses.field(default=None, init=False, repr=False)
+    _handle: Any = dataclasses.field(default=None, init=False, repr=False)
 
     @property
     def sizes(self) -> list[int]:
