@@ -4,8 +4,9 @@ profiling step held, and the plans they give (#31 item 1).
 For a model shapes alone cannot profile (here forced: ``timer="measured"`` is one such case,
 but its timing noise would hide the comparison, so the profiles count FLOPs and pair steps
 are asked for directly) at a batch too small to fit from smaller batches, ``auto_checkpoint``
-profiles the whole batch in pair steps (:mod:`remat.planner.grouped`) instead of the uniform
-steps, whose ``keep`` step is the unchecked one. This script profiles the bench GPT both ways
+profiles the whole batch in single or pair steps (:mod:`remat.planner.grouped`; the
+profile's ``steps`` says which) instead of the uniform steps, whose ``keep`` step is the
+unchecked one. This script profiles the bench GPT both ways
 in one process, in alternating order, and prints per run the wall time, the peak bytes the
 profile's steps held (``remat.memory.track`` around it, plus the parameters and inputs alive
 before it) against the unchecked step, and whether the two profiles and their plans at 70, 50
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             seconds, held, prof = _run(cfg, paired)
             profiles[paired] = prof
             print(
-                f"{'pair steps' if paired else 'uniform steps':>14}: {seconds:6.1f} s, held "
+                f"{prof.steps + ' steps':>14}: {seconds:6.1f} s, held "
                 f"{held / 2**20:8.1f} MiB (unchecked step {prof.unchecked_peak_bytes / 2**20:.1f} "
                 f"MiB, floor {prof.floor_bytes / 2**20:.1f} MiB)",
                 flush=True,

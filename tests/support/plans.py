@@ -78,8 +78,11 @@ def json_differences(a: Any, b: Any, path: str = "") -> list[tuple[str, Any, Any
 
 
 def measured_differences(a: Any, b: Any) -> list[tuple[str, Any, Any]]:
-    """:func:`json_differences` of two profiles' JSON but their scratch and ``from_shapes``
-    (a profile that measures its scratch under the plan, from shapes or pair steps)."""
+    """:func:`json_differences` of two profiles' JSON but their scratch, ``from_shapes`` (a
+    profile that measures its scratch under the plan, from shapes or pair steps) and
+    ``steps`` (how its lines were measured)."""
     return [
-        d for d in json_differences(a, b) if "scratch" not in d[0] and d[0] != ".from_shapes"
+        d
+        for d in json_differences(a, b)
+        if "scratch" not in d[0] and d[0] not in (".from_shapes", ".steps")
     ]

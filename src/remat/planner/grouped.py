@@ -64,29 +64,33 @@ class NotPaired(Exception):
 
 
 def pair_patterns(
-    n: int, d: Decision, fixed: dict[int, Decision]
+    n: int, d: Decision, fixed: dict[int, Decision], single: bool = False
 ) -> list[list[Decision]]:
     """The decisions of the blocks in each pair step of ``d`` for ``n`` blocks: step ``i``
     (``i = 1 .. n - 1``, the list's ``i - 1``-th) has blocks ``i - 1`` and ``i`` under ``d``,
     every other block recomputed, but the blocks of ``fixed`` (index to decision: a block
-    that changes its input in place is kept in every line).
+    that changes its input in place is kept in every line). ``single``: step ``i`` (``i =
+    0 .. n - 1``) has block ``i`` alone under ``d`` (see :func:`single_steps`).
 
     Example:
         >>> [[x.value[0] for x in p] for p in pair_patterns(3, Decision.KEEP, {})]
         [['k', 'k', 'r'], ['r', 'k', 'k']]
+        >>> [[x.value[0] for x in p] for p in pair_patterns(2, Decision.KEEP, {}, single=True)]
+        [['k', 'r'], ['r', 'k']]
     """
     out = []
-    for i in range(1, n):
-        pattern = [d if j in (i - 1, i) else Decision.RECOMPUTE for j in range(n)]
+    for i in range(0 if single else 1, n):
+        under = (i,) if single else (i - 1, i)
+        pattern = [d if j in under else Decision.RECOMPUTE for j in range(n)]
         for j, fx in fixed.items():
             pattern[j] = fx
         out.append(pattern)
     return out
 
 
-def pair_peak(prof: Profile) -> int:
+def pair_peak(prof: Profile, single: bool = False) -> int:
     """The largest predicted peak of the pair steps of ``prof``'s decisions (those that a
-    profile from pair steps ran), by the step model.
+    profile from pair steps ran; ``single``: from single steps), by the step model.
 
     Example:
         >>> import torch, remat
@@ -103,20 +107,42 @@ def pair_peak(prof: Profile) -> int:
         ).bytes
         for d in PAIRED
         if d.value in prof.decisions
-        for pattern in pair_patterns(n, d, fixed)
+        for pattern in pair_patterns(n, d, fixed, single)
     ]
     return max(peaks, default=prof.unchecked_peak_bytes)
 
 
-def step_of(i: int) -> int:
+def step_of(i: int, single: bool = False) -> int:
     """The pair step (its index in :func:`pair_patterns`' list) whose block ``i`` is the
-    measured one: the step of blocks ``i - 1`` and ``i``, block 0's the step of blocks 0 and 1.
+    measured one: the step of blocks ``i - 1`` and ``i``, block 0's the step of blocks 0 and 1
+    (``single``: block ``i``'s own step).
 
     Example:
-        >>> [step_of(i) for i in range(4)]
-        [0, 0, 1, 2]
+        >>> [step_of(i) for i in range(4)], [step_of(i, single=True) for i in range(4)]
+        ([0, 0, 1, 2], [0, 1, 2, 3])
     """
-    return max(i, 1) - 1
+    return i if single else max(i, 1) - 1
+
+
+def single_steps(saved: dict[Role, int], fixed: dict[int, Decision]) -> bool:
+    """Whether a model's lines may be assembled from *single* steps (block ``i`` alone under
+    the decision, one block's activations above the recomputed line instead of two): where
+    no block saves for backward a storage a later block receives (``saved``: by role, the
+    first place that saved it with every block kept, :func:`~.probes.keep_lifetimes`; a
+    storage handed to several blocks counted where it lives as :class:`KeptShared` says)
+    and no block changes its input in place (``fixed``). A pair step exists for what the
+    block before saves of a block's input (a ReLU's output, a tanh's that the next block
+    receives): with none, the block before is recomputed in block ``i``'s single step and
+    block ``i``'s terms are those of the pair (on 21 families of
+    ``tests/planner/test_paired.py``; ResNet's and the tuple blocks' are such pairs).
+
+    Example:
+        >>> single_steps({(1, 0): 0}, {}), single_steps({(1, 0): 1, (2, 0): -1}, {})
+        (False, True)
+    """
+    if fixed:
+        return False
+    return not any(0 <= place < role[0] for role, place in saved.items())
 
 
 Role = tuple[int, int]
@@ -213,7 +239,9 @@ def _into_backward(s: PairStep, i: int) -> int:
     return out
 
 
-def assemble(steps: Sequence[PairStep], kept: KeptShared | None = None) -> Timeline:
+def assemble(
+    steps: Sequence[PairStep], kept: KeptShared | None = None, single: bool = False
+) -> Timeline:
     """The uniform line of the decision whose pair steps (in :func:`pair_patterns`' order)
     are ``steps`` (see the module docstring).
 
@@ -226,7 +254,7 @@ def assemble(steps: Sequence[PairStep], kept: KeptShared | None = None) -> Timel
     """
     first = steps[0].line
     n = len(first.fwd_start)
-    mine = [steps[step_of(i)] for i in range(n)]
+    mine = [steps[step_of(i, single)] for i in range(n)]
     v = dataclasses.replace(
         first,
         fwd_start=[0] * n,

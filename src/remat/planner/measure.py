@@ -66,6 +66,7 @@ from .grouped import (
     PairStep,
     assemble,
     pair_patterns,
+    single_steps,
     step_of,
 )
 from .inputs import Inputs, model_inputs
@@ -586,13 +587,29 @@ def _measure_steps(
     # from pair steps: the lines of the decisions that hold activations, once recompute's
     # (their step times are read against its) is measured
     paired_lines = [d for d in decisions if paired and n >= 2 and d in PAIRED]
+    single = False  # single steps (one block under the decision) where the model allows
+    lifetimes: SharedArgs | None = None
     for d in [*(d for d in decisions if d not in paired_lines), *paired_lines]:
         if d in paired_lines:
+            # inside the loop's autocast region blocks save casts of what they receive and
+            # the pair effects differ (tests); FSDP2's parameters stay gathered after a
+            # forward without backward (no reshard after forward): pair steps there
+            amp = any(torch.is_autocast_enabled(t) for t in ("cpu", "cuda"))
+            sharded = any(type(p) is not nn.Parameter for p in model.parameters())
+            if lifetimes is None and not (amp or sharded or fixed):
+                # where storages live with every block kept, and who saves what: one forward
+                lifetimes = keep_lifetimes(
+                    model, modules, step.args, step.kwargs, step.state, step.inputs
+                )
+                single = single_steps(lifetimes.saved, fixed)
+                if active(step.loop.distributed):  # the same steps on every rank
+                    (pairs_needed,) = agree_max([int(not single)])
+                    single = not pairs_needed
             roles: set[tuple[int, int]] = set()  # of storages handed to several blocks
             pairs: list[PairStep] = []
             pair_frees: list[InputFrees] = []
             pair_times: list[tuple[dict[str, float], dict[str, float]]] = []
-            for pattern in pair_patterns(n, d, fixed):
+            for pattern in pair_patterns(n, d, fixed, single):
                 for nm, mod, p in zip(names, modules, pattern):
                     apply_decision(mod, RECOMPUTE if p is SPLIT and nm not in splittable else p)
                 step.clear_grads()
@@ -611,27 +628,30 @@ def _measure_steps(
             lives: KeptShared | None = None
             probe: SharedArgs | None = None
             handed = bool(roles)
-            if active(step.loop.distributed):  # the probe's forward gathers under FSDP2
+            if active(step.loop.distributed):  # the same terms on every rank
                 (handed,) = map(bool, agree_max([int(handed)]))
             if handed and d is KEEP:  # where they live with every block kept: one forward
-                probe = keep_lifetimes(
+                probe = lifetimes or keep_lifetimes(
                     model, modules, step.args, step.kwargs, step.state, step.inputs
                 )
                 lives = _kept_shared(probe, n, pairs[-1].line)
-            lines[d] = assemble(pairs, lives)
+            lines[d] = assemble(pairs, lives, single)
             head_freed[d] = pair_frees[-1].freed[-1]
             if d in HELD_LINES:
-                held[d] = [pairs[step_of(i)].held_to_end[i] for i in range(n)]
-            if d is KEEP:  # block i's output as block i + 1 runs: the step of the two
-                freed = [pair_frees[i].freed[i] for i in range(n - 1)] + [pair_frees[-1].freed[-1]]
+                held[d] = [pairs[step_of(i, single)].held_to_end[i] for i in range(n)]
+            if d is KEEP:  # block i's output as block i + 1 runs: the step of the two (of
+                # block i + 1 alone: block i's output is its recomputed checkpoint's, free)
+                nxt = 1 if single else 0
+                freed = [pair_frees[i + nxt].freed[i] for i in range(n - 1)]
+                freed.append(pair_frees[-1].freed[-1])
                 shared = max(f.shared for f in pair_frees)
                 for f in pair_frees:
                     shared_inputs.update(f.shared_inputs)
                 if lives is not None and probe is not None:
                     shared, shared_inputs = _kept_terms(probe, lives, n, held[d], shared_inputs)
             if clock is not None:
-                times[d] = {nm: pair_times[step_of(i)][0][nm] for i, nm in enumerate(names)}
-                noise[d] = {nm: pair_times[step_of(i)][1][nm] for i, nm in enumerate(names)}
+                times[d] = {nm: pair_times[step_of(i, single)][0][nm] for i, nm in enumerate(names)}
+                noise[d] = {nm: pair_times[step_of(i, single)][1][nm] for i, nm in enumerate(names)}
                 if d is KEEP:  # recompute's step less what recomputing costs its blocks
                     rec = sorted(line_times[RECOMPUTE])[len(line_times[RECOMPUTE]) // 2]
                     keep_cost = rec - sum(times[RECOMPUTE][nm] - times[KEEP][nm] for nm in names)
@@ -732,6 +752,7 @@ def _measure_steps(
         kept_outputs=kept,
         scratch=scratch,
         compiled=compiled,
+        steps=("singles" if single else "pairs") if paired_lines else "uniform",
     )
 
 

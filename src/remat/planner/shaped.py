@@ -187,7 +187,7 @@ class ProfileSource:
             if fitted is not None:
                 return fitted
             self.say(
-                f"profiling real steps{at}, two blocks kept at a time (never the unchecked "
+                f"profiling real steps{at}, one or two blocks kept at a time (never the unchecked "
                 f"step): {self.why}"
             )
             try:
@@ -196,10 +196,12 @@ class ProfileSource:
                 self.say(f"pair steps cannot profile this model: {e}")
             else:
                 if callable(self.within):
-                    held, target = pair_peak(prof), self.within(prof)
+                    single = prof.steps == "singles"
+                    held, target = pair_peak(prof, single), self.within(prof)
                     if held > target:
+                        what = "single" if single else "pair"
                         self.say(
-                            f"the pair steps held up to {fmt_bytes(held)}, above the budget "
+                            f"the {what} steps held up to {fmt_bytes(held)}, above the budget "
                             f"{fmt_bytes(target)} (the unchecked step: "
                             f"{fmt_bytes(prof.unchecked_peak_bytes)})"
                         )

@@ -105,6 +105,8 @@ Timer = Literal["time", "measured", "flops"]
 
 #: The unit of a profile's and a plan's costs: seconds, or FLOPs (``timer="flops"``).
 CostUnit = Literal["s", "flop"]
+#: How a profile's lines that hold activations were measured (``ProfileData.steps``).
+Steps = Literal["uniform", "pairs", "singles"]
 
 #: What a step's peak is made of (the keys of :attr:`StepPeak.breakdown`, in this order).
 PeakPart = Literal["static", "gradients", "optimizer", "activations"]
@@ -564,6 +566,8 @@ class Measurements:
         from_shapes: measured on meta tensors.
         compiled: the blocks compiled, each decision a partitioner budget, bytes the
             allocator's (:mod:`remat.planner.compiled`).
+        steps: how the lines of the decisions that hold activations were measured:
+            ``"uniform"``, ``"pairs"`` or ``"singles"`` (:mod:`remat.planner.grouped`).
         torch_version: the torch that ran the steps.
         chained / kept_outputs: as :class:`ProfileData` has them.
         scratch: the scratch inside operators per window of the step
@@ -599,6 +603,7 @@ class Measurements:
     device: str = ""
     from_shapes: bool = False
     compiled: bool = False
+    steps: Steps = "uniform"
     torch_version: str = ""
     chained: list[bool] = dataclasses.field(default_factory=list)
     kept_outputs: list[bool] = dataclasses.field(default_factory=list)
@@ -757,6 +762,10 @@ class ProfileData:
         compiled: each block compiled on its own, a decision the partitioner's budget
             (:mod:`remat.planner.regional`); every byte term the allocator's, scratch inside
             kernels included (``scratch`` is empty).
+        steps: how the lines of ``keep``, ``selective`` and ``split`` were measured: in
+            ``"uniform"`` steps (every block under the decision), or assembled from
+            ``"pairs"`` or ``"singles"`` (two blocks, or one, under it: a real model whose
+            unchecked step is not run, :mod:`remat.planner.grouped`).
     """
 
     blocks: list[BlockCosts]
@@ -782,6 +791,7 @@ class ProfileData:
     post: int = dataclasses.field(default=0, metadata=MAX | FIT)
     from_shapes: bool = dataclasses.field(default=False, metadata=SAME)
     compiled: bool = dataclasses.field(default=False, metadata=SAME)
+    steps: Steps = dataclasses.field(default="uniform", metadata=SAME)
 
     def __post_init__(self) -> None:
         self.decisions = [Decision(d) for d in self.decisions]
@@ -833,6 +843,8 @@ class ProfileData:
         data = dataclasses.asdict(self)
         if not self.compiled:  # eager profiles read as before
             del data["compiled"]
+        if self.steps == "uniform":  # profiles of uniform steps read as before
+            del data["steps"]
         return json.dumps(data, indent=2)
 
     @classmethod

@@ -42,6 +42,7 @@ def profile_data(m: Measurements, kind: type[P]) -> P:
         device=m.device,
         from_shapes=m.from_shapes,
         compiled=m.compiled,
+        steps=m.steps,
         torch_version=m.torch_version,
         # a whole step's FLOPs are three times the blocks' forwards
         step_cost=3.0 * sum(m.costs[Decision.RECOMPUTE].values()) if flops else m.keep_cost,
