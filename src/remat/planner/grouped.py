@@ -88,9 +88,10 @@ def pair_patterns(
     return out
 
 
-def pair_peak(prof: Profile, single: bool = False) -> int:
+def pair_peak(prof: Profile) -> int:
     """The largest predicted peak of the pair steps of ``prof``'s decisions (those that a
-    profile from pair steps ran; ``single``: from single steps), by the step model.
+    profile from pair steps ran; single steps' where ``prof.steps`` says so), by the step
+    model.
 
     Example:
         >>> import torch, remat
@@ -107,7 +108,7 @@ def pair_peak(prof: Profile, single: bool = False) -> int:
         ).bytes
         for d in PAIRED
         if d.value in prof.decisions
-        for pattern in pair_patterns(n, d, fixed, single)
+        for pattern in pair_patterns(n, d, fixed, prof.steps == "singles")
     ]
     return max(peaks, default=prof.unchecked_peak_bytes)
 

@@ -92,7 +92,7 @@ from .probes import (
 from .progress import bar
 from .regional import LEVELS, check_compiled_decisions, refuse_process_group
 from .scratch import profiled, window_scratch
-from .sharded import is_ddp, reshard, unsharded_storages
+from .sharded import is_ddp, is_sharded, reshard, unsharded_storages
 from .solve import Profile
 from .state import (
     StepState,
@@ -589,14 +589,14 @@ def _measure_steps(
     paired_lines = [d for d in decisions if paired and n >= 2 and d in PAIRED]
     single = False  # single steps (one block under the decision) where the model allows
     lifetimes: SharedArgs | None = None
+    # inside the loop's autocast region blocks save casts of what they receive and the pair
+    # effects differ (tests); FSDP2's parameters stay gathered after a forward without
+    # backward (no reshard after forward): pair steps there, no recording forward first
+    amp = any(torch.is_autocast_enabled(t) for t in ("cpu", "cuda"))
+    may_single = bool(paired_lines) and not (amp or is_sharded(model) or fixed)
     for d in [*(d for d in decisions if d not in paired_lines), *paired_lines]:
         if d in paired_lines:
-            # inside the loop's autocast region blocks save casts of what they receive and
-            # the pair effects differ (tests); FSDP2's parameters stay gathered after a
-            # forward without backward (no reshard after forward): pair steps there
-            amp = any(torch.is_autocast_enabled(t) for t in ("cpu", "cuda"))
-            sharded = any(type(p) is not nn.Parameter for p in model.parameters())
-            if lifetimes is None and not (amp or sharded or fixed):
+            if lifetimes is None and may_single:
                 # where storages live with every block kept, and who saves what: one forward
                 lifetimes = keep_lifetimes(
                     model, modules, step.args, step.kwargs, step.state, step.inputs

@@ -196,10 +196,9 @@ class ProfileSource:
                 self.say(f"pair steps cannot profile this model: {e}")
             else:
                 if callable(self.within):
-                    single = prof.steps == "singles"
-                    held, target = pair_peak(prof, single), self.within(prof)
+                    held, target = pair_peak(prof), self.within(prof)
                     if held > target:
-                        what = "single" if single else "pair"
+                        what = "single" if prof.steps == "singles" else "pair"
                         self.say(
                             f"the {what} steps held up to {fmt_bytes(held)}, above the budget "
                             f"{fmt_bytes(target)} (the unchecked step: "

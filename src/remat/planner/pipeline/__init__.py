@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from ..shapes import Shapes
+from ..sharded import is_ddp, is_sharded
 from ..stepmodel import parse_budget
 from ..stepmodel.schedule import SCHEDULES
 from ..types import Timer
@@ -65,12 +66,10 @@ def _refuse_data_parallel(module: nn.Module) -> None:
     (FSDP2 keeps the parameters gathered and the gradients unsharded from the first
     backward to the last; DDP reduces only the last), which the stage model does not count,
     so its prediction would be wrong."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(module, DistributedDataParallel):
+    if is_ddp(module):
         what = "wrapped in DistributedDataParallel"
-    elif any(type(p) is not nn.Parameter for p in module.parameters()):
-        what = "sharded (FSDP2's fully_shard, or parameters of a tensor subclass)"
+    elif is_sharded(module):
+        what = "sharded (FSDP2's fully_shard)"
     else:
         return
     raise ValueError(
